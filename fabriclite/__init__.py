@@ -1,0 +1,10 @@
+"""fabriclite: a lightweight, Lightning-Fabric-compatible training wrapper for PyTorch.
+
+Usage: ``from fabriclite import Fabric, seed_everything``.
+"""
+
+from fabriclite.fabric import Fabric
+from fabriclite.seed import seed_everything
+
+__version__ = "0.1.0.dev0"
+__all__ = ["Fabric", "seed_everything", "__version__"]

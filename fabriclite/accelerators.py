@@ -1,0 +1,106 @@
+"""Which hardware runs the work: CPU, CUDA or MPS, and which device indices of it."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Accelerator:
+    """One kind of hardware. ``fabric.accelerator`` is an instance; ``devices`` lists the devices it drives.
+
+    Usage: ``CPUAccelerator([0]).device(0)``.
+    """
+
+    name = "base"
+    type = "cpu"
+
+    def __init__(self, device_indices: list[int]) -> None:
+        self.device_indices = device_indices
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        """The device the process with this local rank uses."""
+        return torch.device(self.type, self.device_indices[local_rank])
+
+    def setup_device(self, device: torch.device) -> None:
+        """Make ``device`` the current device of this process (CUDA needs it; others don't)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(devices={self.device_indices})"
+
+
+class CPUAccelerator(Accelerator):
+    name = "cpu"
+    type = "cpu"
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+
+class CUDAAccelerator(Accelerator):
+    name = "cuda"
+    type = "cuda"
+
+    @staticmethod
+    def is_available() -> bool:
+        return torch.cuda.is_available()
+
+    def setup_device(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+
+
+class MPSAccelerator(Accelerator):
+    name = "mps"
+    type = "mps"
+
+    @staticmethod
+    def is_available() -> bool:
+        return torch.backends.mps.is_available()
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("mps")
+
+
+def select_accelerator(name: str, devices: int | list[int] | str) -> Accelerator:
+    """Turn a parsed accelerator name and devices value into an ``Accelerator`` with concrete device indices.
+
+    Usage: ``select_accelerator("auto", "auto")`` picks CUDA, then MPS, then the CPU.
+    """
+    if name == "auto":
+        name = "cuda" if CUDAAccelerator.is_available() else "mps" if MPSAccelerator.is_available() else "cpu"
+    elif name == "gpu":
+        if CUDAAccelerator.is_available():
+            name = "cuda"
+        elif MPSAccelerator.is_available():
+            name = "mps"
+        else:
+            raise RuntimeError("accelerator='gpu' was requested but neither CUDA nor MPS is available. Use accelerator='cpu'.")
+
+    if name == "cpu":
+        count = 1 if devices == "auto" else devices
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"devices={devices!r} is not valid with accelerator='cpu': expected a positive int (the number of processes).")
+        return CPUAccelerator(list(range(count)))
+
+    if name == "mps":
+        if not MPSAccelerator.is_available():
+            raise RuntimeError("accelerator='mps' was requested but MPS is not available on this machine.")
+        if devices not in ("auto", 1, -1, [0]):
+            raise ValueError(f"devices={devices!r} is not valid with accelerator='mps': MPS has one device, use devices=1.")
+        return MPSAccelerator([0])
+
+    if not CUDAAccelerator.is_available():
+        raise RuntimeError(f"accelerator={name!r} was requested but CUDA is not available. Use accelerator='cpu' or 'auto'.")
+    available = torch.cuda.device_count()
+    if devices in ("auto", -1):
+        indices = list(range(available))
+    elif isinstance(devices, int):
+        indices = list(range(devices))
+    else:
+        indices = list(devices)
+    if not indices or max(indices) >= available:
+        raise ValueError(f"devices={devices!r} asks for CUDA devices this machine lacks: it has {available} (indices 0..{available - 1}).")
+    return CUDAAccelerator(indices)

@@ -1,0 +1,110 @@
+"""Every user string becomes a plain value here, in one place: accelerator, devices, strategy, precision.
+
+Each parser takes what a user (or a Lightning Fabric script) may pass and returns a canonical value or raises a
+``ValueError`` naming the value, the valid choices and the closest match.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Sequence
+
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+
+# Strategies of the distributed work; they parse today so scripts fail with a clear message, not a typo error.
+DISTRIBUTED_STRATEGIES = ("ddp", "ddp_spawn", "fsdp")
+STRATEGIES = ("auto", "single_device", *DISTRIBUTED_STRATEGIES)
+
+PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def did_you_mean(value: Any, choices: Sequence[str]) -> str:
+    """Return " Did you mean 'x'?" for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(str(value).lower(), list(choices), n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _invalid(what: str, value: Any, choices: Sequence[str]) -> ValueError:
+    listed = ", ".join(repr(c) for c in choices)
+    return ValueError(f"{what}={value!r} is not supported. Valid choices: {listed}.{did_you_mean(value, choices)}")
+
+
+def parse_accelerator(accelerator: Any) -> str:
+    """Return the lower-case accelerator name ("auto", "cpu", "cuda", "gpu" or "mps").
+
+    Usage: ``parse_accelerator("CUDA") == "cuda"``.
+    """
+    if not isinstance(accelerator, str) or accelerator.lower() not in ACCELERATORS:
+        raise _invalid("accelerator", accelerator, ACCELERATORS)
+    return accelerator.lower()
+
+
+def parse_strategy(strategy: Any) -> Any:
+    """Return the lower-case strategy name, or the strategy object itself when one is passed.
+
+    Usage: ``parse_strategy("FSDP") == "fsdp"``.
+    """
+    if isinstance(strategy, str):
+        if strategy.lower() in STRATEGIES:
+            return strategy.lower()
+        raise _invalid("strategy", strategy, STRATEGIES)
+    from fabriclite.strategies import Strategy
+
+    if isinstance(strategy, Strategy):
+        return strategy
+    raise _invalid("strategy", strategy, STRATEGIES)
+
+
+def parse_precision(precision: Any) -> str:
+    """Return the canonical precision name, accepting Lightning's aliases (32, 64, 16, "bf16", "16", ...).
+
+    Usage: ``parse_precision(16) == "16-mixed"``.
+    """
+    if precision is None:
+        return "32-true"
+    key = str(precision).lower() if isinstance(precision, (str, int)) and not isinstance(precision, bool) else None
+    if key in PRECISIONS:
+        return key
+    if key in _PRECISION_ALIASES:
+        return _PRECISION_ALIASES[key]
+    raise _invalid("precision", precision, PRECISIONS + tuple(_PRECISION_ALIASES))
+
+
+def parse_devices(devices: Any) -> int | list[int] | str:
+    """Return ``"auto"``, ``-1`` (all), a positive count, or a list of device indices.
+
+    Accepts what Lightning accepts: an int, a list or tuple of ints, "auto", "-1", "2", "0,1" and "0,".
+    Usage: ``parse_devices("0,1") == [0, 1]``.
+    """
+    expected = 'a positive int, -1, a list of device indices, "auto", or a string such as "2", "-1" or "0,1"'
+    original = devices
+    if isinstance(devices, str):
+        text = devices.strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            if "," in text:
+                devices = [int(part) for part in text.split(",") if part.strip()]
+            else:
+                devices = int(text)
+        except ValueError:
+            raise ValueError(f"devices={original!r} is not valid. Expected {expected}.") from None
+    if isinstance(devices, bool):
+        raise ValueError(f"devices={original!r} is not valid. Expected {expected}.")
+    if isinstance(devices, int):
+        if devices == -1 or devices > 0:
+            return devices
+        raise ValueError(f"devices={original!r} is not valid: use a positive count or -1 for all devices.")
+    if isinstance(devices, (list, tuple)) and devices and all(isinstance(d, int) and not isinstance(d, bool) for d in devices):
+        if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+            raise ValueError(f"devices={original!r} is not valid: indices must be distinct and non-negative.")
+        return list(devices)
+    raise ValueError(f"devices={original!r} is not valid. Expected {expected}.")
+
+
+def parse_num_nodes(num_nodes: Any) -> int:
+    """Return ``num_nodes`` as a positive int. Usage: ``parse_num_nodes(2) == 2``."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes!r} is not valid: expected a positive int.")
+    return num_nodes

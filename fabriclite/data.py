@@ -1,0 +1,177 @@
+"""The wrapped data loader: yields exactly the batches of the user's loader, moved to the device, and keeps its
+position (epoch, batches already yielded, the random state its shuffling started from) so that a run resumed
+from a checkpoint continues with the very next batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from fabriclite._collections import move_to_device
+from fabriclite.checkpoint import capture_rng_state, restore_rng_state
+
+
+def _loader_generators(loader: DataLoader) -> dict[str, torch.Generator]:
+    """The torch generators a loader's shuffling may draw from, by where they sit (shared ones named once)."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+    for where, owner in (("loader", loader), ("sampler", getattr(loader, "sampler", None)),
+                         ("batch_sampler", getattr(loader, "batch_sampler", None)),
+                         ("batch_sampler.sampler", getattr(getattr(loader, "batch_sampler", None), "sampler", None))):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and id(generator) not in seen:
+            seen.add(id(generator))
+            found[where] = generator
+    return found
+
+
+def _capture_loader_rng(loader: DataLoader) -> dict[str, Any]:
+    return {"global": capture_rng_state(),
+            "generators": {where: g.get_state() for where, g in _loader_generators(loader).items()}}
+
+
+def _restore_loader_rng(loader: DataLoader, state: dict[str, Any]) -> None:
+    restore_rng_state(state["global"])
+    generators = _loader_generators(loader)
+    for where, value in state["generators"].items():
+        if where in generators:
+            generators[where].set_state(value)
+
+
+class _SkipFirst:
+    """An index sampler that leaves out the first ``skip`` items of ``inner``; used once, for a resumed epoch."""
+
+    def __init__(self, inner: Any, skip: int) -> None:
+        self.inner = inner
+        self.skip = skip
+        self.last: _SkipIterator | None = None
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> _SkipIterator:
+        self.last = _SkipIterator(self.inner, self.skip)
+        return self.last
+
+
+class _SkipIterator:
+    """Lazy like a sampler's generator, so the draws for shuffling happen in the same order as in the raw loader
+    (the loader draws its worker seed first, the sampler draws on its first item); ``prime`` forces them."""
+
+    def __init__(self, inner: Any, skip: int) -> None:
+        self._inner = inner
+        self._skip = skip
+        self._it: Iterator | None = None
+
+    def prime(self) -> None:
+        if self._it is None:
+            it = iter(self._inner)
+            for _ in itertools.islice(it, self._skip):
+                pass
+            first = list(itertools.islice(it, 1))  # the sampler draws its seed on its first item
+            self._it = itertools.chain(first, it)
+
+    def __iter__(self) -> _SkipIterator:
+        return self
+
+    def __next__(self) -> Any:
+        self.prime()
+        return next(self._it)
+
+
+class _FabricDataLoader:
+    """Iterates the user's loader, moves each batch to the device, and remembers where it is.
+
+    Attribute access passes through to the loader (``.dataset``, ``.batch_size``, ``.sampler``...).
+    Usage: returned by ``fabric.setup_dataloaders(loader)``; put it in the ``state`` given to ``fabric.save``.
+    """
+
+    def __init__(self, loader: DataLoader, device: torch.device | None) -> None:
+        self._loader = loader
+        # Batches from a DataLoader are on the CPU, so a CPU run has nothing to move.
+        self._device = device if device is not None and device.type != "cpu" else None
+        self._epochs_started = 0
+        self._in_epoch = False
+        self._yielded = 0
+        self._epoch_rng: dict[str, Any] | None = None
+        self._resume_from: tuple[int, dict[str, Any]] | None = None
+
+    @property
+    def loader(self) -> DataLoader:
+        """The user's loader (or the distributed copy of it)."""
+        return self._loader
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_loader"], name)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._resume_from is not None:
+            skip, rng = self._resume_from
+            self._resume_from = None
+            batches = self._resumed_iterator(skip, rng)
+        else:
+            self._epochs_started += 1
+            self._epoch_rng = _capture_loader_rng(self._loader)
+            batches = iter(self._loader)
+            skip = 0
+        self._yielded = skip
+        self._in_epoch = True
+        device = self._device
+        try:
+            for batch in batches:
+                # Counted before the body of the user's loop runs, so a save inside it records this batch as used.
+                self._yielded += 1
+                yield batch if device is None else move_to_device(batch, device)
+            self._in_epoch = False
+        except GeneratorExit:  # the user left the loop early: the next iteration is a new epoch, as in the raw loop
+            self._in_epoch = False
+            raise
+
+    def _resumed_iterator(self, skip: int, epoch_rng: dict[str, Any]) -> Iterator[Any]:
+        """Rebuild the interrupted epoch: replay the random state it started from, skip the used batches by index
+        (without loading them), then give the global random state back as the checkpoint left it."""
+        now = capture_rng_state()
+        _restore_loader_rng(self._loader, epoch_rng)
+        self._epoch_rng = epoch_rng
+        try:
+            if isinstance(self._loader.dataset, IterableDataset):
+                # No indices to skip: draw the used batches and drop them.
+                it = iter(self._loader)
+                for _ in itertools.islice(it, skip):
+                    pass
+                return it
+            replay = copy.copy(self._loader)
+            skipper = _SkipFirst(replay._index_sampler, skip)
+            attr = "batch_sampler" if replay._auto_collation else "sampler"
+            object.__setattr__(replay, attr, skipper)  # DataLoader forbids setting these after init
+            object.__setattr__(replay, "_iterator", None)
+            it = iter(replay)
+            if skipper.last is not None:
+                skipper.last.prime()
+            return it
+        finally:
+            restore_rng_state(now)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: epochs started, whether one is under way, batches yielded, its starting random state."""
+        return {"epochs_started": self._epochs_started, "in_epoch": self._in_epoch, "yielded": self._yielded,
+                "epoch_rng": self._epoch_rng if self._in_epoch else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position; the next iteration continues the saved epoch when it was under way."""
+        self._epochs_started = state["epochs_started"]
+        self._in_epoch = False
+        self._yielded = state["yielded"]
+        self._resume_from = (state["yielded"], state["epoch_rng"]) if state["in_epoch"] else None

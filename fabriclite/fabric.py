@@ -1,0 +1,444 @@
+"""The ``Fabric`` facade: the one object a training script talks to. It turns arguments into an accelerator,
+a strategy and a precision (``choices``), and delegates; the per-step calls (forward, ``backward``,
+``optimizer.step``) go straight to the precision's hooks chosen at setup.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping
+
+import torch
+from torch.utils.data import DataLoader
+
+from fabriclite import choices
+from fabriclite._collections import apply_to_collection, convert_to_tensors, move_to_device, to_python_scalars
+from fabriclite.accelerators import Accelerator, select_accelerator
+from fabriclite.checkpoint import CheckpointError, atomic_save, capture_rng_state, restore_rng_state, safe_load
+from fabriclite.data import _FabricDataLoader
+from fabriclite.precision import Precision, select_precision
+from fabriclite.seed import seed_everything as _seed_everything
+from fabriclite.strategies import Strategy, select_strategy
+from fabriclite.wrappers import _FabricModule, _FabricOptimizer
+
+# Where fabric.save keeps what it adds to the user's state: random streams, the loss scaler.
+_META_KEY = "__fabriclite__"
+_REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class Fabric:
+    """Mixed precision, device placement, checkpoints and (later) distributed training for a raw PyTorch loop.
+
+    The API is Lightning Fabric's: a script written for ``lightning.fabric`` runs by changing its import.
+    Usage::
+
+        fabric = Fabric(accelerator="cpu", precision="bf16-mixed")
+        fabric.launch()
+        model, optimizer = fabric.setup(model, optimizer)
+        loader = fabric.setup_dataloaders(loader)
+        fabric.backward(loss)
+    """
+
+    def __init__(
+        self,
+        *,
+        accelerator: str = "auto",
+        strategy: str | Strategy = "auto",
+        devices: int | str | list[int] = "auto",
+        num_nodes: int = 1,
+        precision: str | int | None = None,
+        plugins: Any = None,
+        callbacks: Any = None,
+        loggers: Any = None,
+    ) -> None:
+        accelerator_name = choices.parse_accelerator(accelerator)
+        strategy_choice = choices.parse_strategy(strategy)
+        parsed_devices = choices.parse_devices(devices)
+        nodes = choices.parse_num_nodes(num_nodes)
+        precision_name = choices.parse_precision(precision)
+        user_precision = None
+        for plugin in _as_list(plugins):
+            if not isinstance(plugin, Precision):
+                raise ValueError(f"plugins={plugin!r} is not supported: fabriclite accepts Precision objects as plugins.")
+            user_precision = plugin
+
+        self._accelerator: Accelerator = select_accelerator(accelerator_name, parsed_devices)
+        self._strategy: Strategy = select_strategy(strategy_choice, self._accelerator, nodes)
+        self._strategy.accelerator = self._accelerator
+        self._strategy.setup_environment()
+        self._precision: Precision = user_precision or select_precision(precision_name, self._strategy.root_device)
+        self._strategy.precision = self._precision
+        self._callbacks = _as_list(callbacks)
+        self._loggers = _as_list(loggers)
+        self._launched = False
+        self._setup_modules: weakref.WeakSet = weakref.WeakSet()
+        self._optimizers_setup = 0
+        # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
+        self._backward_ready = self._precision.scaler is None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+        return self._strategy.root_device
+
+    @property
+    def global_rank(self) -> int:
+        return self._strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self._strategy.node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self._strategy.is_global_zero
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @property
+    def accelerator(self) -> Accelerator:
+        return self._accelerator
+
+    @property
+    def loggers(self) -> list:
+        return self._loggers
+
+    @property
+    def logger(self) -> Any:
+        """The first logger passed to ``Fabric(loggers=...)``, or None."""
+        return self._loggers[0] if self._loggers else None
+
+    # ------------------------------------------------------------------ launching and setup
+    def launch(self, function: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Start the processes the strategy needs (none for one device) and run ``function(fabric, *args)``.
+
+        Usage: ``fabric.launch()`` at the top of a script, or ``fabric.launch(train, config)``.
+        """
+        if function is not None and not callable(function):
+            raise TypeError(f"fabric.launch(function) expects a callable taking the Fabric first, got {function!r}.")
+        self._launched = True
+        if function is None:
+            return None
+        return function(self, *args, **kwargs)
+
+    def setup(self, module: torch.nn.Module, *optimizers: torch.optim.Optimizer, scheduler: Any = None,
+              move_to_device: bool = True, _reapply_compile: bool = True) -> Any:
+        """Wrap a model and its optimizers; returns the model alone, or ``(model, *optimizers[, scheduler])``.
+
+        Usage: ``model, optimizer = fabric.setup(model, optimizer)``.
+        """
+        module = self.setup_module(module, move_to_device=move_to_device, _reapply_compile=_reapply_compile)
+        wrapped = [self._setup_optimizer(optimizer) for optimizer in optimizers]
+        if scheduler is not None:
+            return (module, *wrapped, scheduler)
+        return (module, *wrapped) if wrapped else module
+
+    def setup_module(self, module: torch.nn.Module, move_to_device: bool = True, _reapply_compile: bool = True) -> _FabricModule:
+        """Wrap a model: precision conversion, placement on the device, the strategy's wrapper.
+
+        Usage: ``model = fabric.setup_module(model)``.
+        """
+        if isinstance(module, _FabricModule):
+            raise ValueError("This model was already set up by fabric.setup; pass each model to setup only once.")
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"fabric.setup expects a torch.nn.Module, got {type(module).__name__}.")
+        if module in self._setup_modules:
+            raise ValueError(f"{type(module).__name__} was already set up by this Fabric; use the module setup returned.")
+        module = self._precision.convert_module(module)
+        if move_to_device:
+            self._strategy.module_to_device(module)
+        forward_module = self._strategy.setup_module(module)
+        self._setup_modules.add(module)
+        return _FabricModule(forward_module, self._precision, original_module=module)
+
+    def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
+        """Wrap optimizers so ``step`` goes through the loss scaler; returns one or a tuple.
+
+        Usage: ``optimizer = fabric.setup_optimizers(optimizer)``.
+        """
+        if not optimizers:
+            raise ValueError("fabric.setup_optimizers needs at least one optimizer.")
+        wrapped = tuple(self._setup_optimizer(optimizer) for optimizer in optimizers)
+        return wrapped[0] if len(wrapped) == 1 else wrapped
+
+    def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> _FabricOptimizer:
+        if isinstance(optimizer, _FabricOptimizer):
+            raise ValueError("This optimizer was already set up by fabric.setup; pass each optimizer only once.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"fabric.setup expects torch.optim.Optimizer objects after the model, got {type(optimizer).__name__}.")
+        optimizer = self._strategy.setup_optimizer(optimizer)
+        self._optimizers_setup += 1
+        self._backward_ready = True
+        return _FabricOptimizer(optimizer, self._precision)
+
+    def setup_dataloaders(self, *dataloaders: DataLoader, use_distributed_sampler: bool = True,
+                          move_to_device: bool = True) -> Any:
+        """Wrap loaders: batches moved to the device, position kept for checkpoints; one in, one out, else a list.
+
+        Usage: ``train_loader, val_loader = fabric.setup_dataloaders(train_loader, val_loader)``.
+        """
+        if not dataloaders:
+            raise ValueError("fabric.setup_dataloaders needs at least one DataLoader.")
+        wrapped = []
+        for loader in dataloaders:
+            if isinstance(loader, _FabricDataLoader):
+                raise ValueError("This DataLoader was already set up by fabric.setup_dataloaders; pass it only once.")
+            if not isinstance(loader, DataLoader):
+                raise TypeError(f"fabric.setup_dataloaders expects torch.utils.data.DataLoader objects, got {type(loader).__name__}.")
+            loader = self._strategy.process_dataloader(loader, use_distributed_sampler)
+            wrapped.append(_FabricDataLoader(loader, self.device if move_to_device else None))
+        return wrapped[0] if len(wrapped) == 1 else wrapped
+
+    # ------------------------------------------------------------------ the training step
+    def backward(self, tensor: torch.Tensor, *args: Any, model: _FabricModule | None = None, **kwargs: Any) -> None:
+        """Replace ``loss.backward()``: scales the loss when the precision uses a loss scaler.
+
+        Usage: ``fabric.backward(loss)``.
+        """
+        if not self._backward_ready:
+            raise RuntimeError(
+                f"precision={self._precision.name!r} scales the loss, and only an optimizer returned by fabric.setup "
+                "unscales the gradients again. Call `model, optimizer = fabric.setup(model, optimizer)` before backward."
+            )
+        self._precision.backward(tensor, *args, **kwargs)
+
+    def clip_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | None = None,
+                       max_norm: float | None = None, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = True) -> torch.Tensor | None:
+        """Clip gradients by value (``clip_val``) or by total norm (``max_norm``, returns that norm), after unscaling.
+
+        With a loss scaler, a non-finite norm does not raise: the scaler skips that step and lowers the scale, which
+        is what it is for (Lightning Fabric raises there).
+        Usage: ``fabric.clip_gradients(model, optimizer, max_norm=1.0)``.
+        """
+        if (clip_val is None) == (max_norm is None):
+            raise ValueError(f"Pass exactly one of clip_val or max_norm, got clip_val={clip_val!r}, max_norm={max_norm!r}.")
+        inner = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+        self._precision.unscale_gradients(inner)
+        if clip_val is not None:
+            torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
+            return None
+        if self._precision.scaler is not None:
+            error_if_nonfinite = False
+        return self._strategy.clip_gradients_norm(module, max_norm, norm_type, error_if_nonfinite)
+
+    def autocast(self) -> ContextManager:
+        """The precision's forward context, for code outside the model's forward that should run in it.
+
+        Usage: ``with fabric.autocast(): loss = criterion(model(x), y)``.
+        """
+        return self._precision.forward_context()
+
+    def no_backward_sync(self, module: _FabricModule, enabled: bool = True) -> ContextManager:
+        """Skip the gradient all-reduce in this block (gradient accumulation); a no-op on one device.
+
+        Usage: ``with fabric.no_backward_sync(model, enabled=not last_micro_batch): fabric.backward(loss)``.
+        """
+        if not isinstance(module, _FabricModule):
+            raise TypeError(f"fabric.no_backward_sync expects the model returned by fabric.setup, got {type(module).__name__}.")
+        return self._strategy.no_backward_sync(module._forward_module, enabled)
+
+    def to_device(self, obj: Any) -> Any:
+        """Move a module, a tensor or a collection of tensors to this process's device.
+
+        Usage: ``batch = fabric.to_device(batch)``.
+        """
+        return move_to_device(obj, self.device)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
+    def _check_launched(self, what: str) -> None:
+        if self._strategy.launcher is not None and not self._launched:
+            raise RuntimeError(f"fabric.{what} was called before fabric.launch(); call fabric.launch() first.")
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process reaches this point."""
+        self._check_launched("barrier")
+        self._strategy.barrier(name=name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from rank ``src`` to every process."""
+        self._check_launched("broadcast")
+        return self._strategy.broadcast(obj, src=src)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Gather tensors (or numbers, or collections of them) from every process."""
+        self._check_launched("all_gather")
+        data = convert_to_tensors(data, self.device)
+        return apply_to_collection(data, torch.Tensor, self._strategy.all_gather, group=group, sync_grads=sync_grads)
+
+    def all_reduce(self, data: Any, group: Any = None, reduce_op: str = "mean") -> Any:
+        """Reduce tensors (or numbers, or collections of them) over every process with "mean", "sum", "max" or "min"."""
+        self._check_launched("all_reduce")
+        if not isinstance(reduce_op, str) or reduce_op.lower() not in _REDUCE_OPS:
+            raise ValueError(f"reduce_op={reduce_op!r} is not supported. Valid choices: {', '.join(_REDUCE_OPS)}.")
+        data = convert_to_tensors(data, self.device)
+        return apply_to_collection(data, torch.Tensor, self._strategy.all_reduce, group=group, reduce_op=reduce_op.lower())
+
+    @contextmanager
+    def rank_zero_first(self, local: bool = False) -> Iterator[None]:
+        """Run the block on rank 0 first (e.g. to download or prepare data), then on the others."""
+        with self._strategy.rank_zero_first(local=local):
+            yield
+
+    # ------------------------------------------------------------------ building
+    @contextmanager
+    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Build a model directly on the device and in the precision's dtype; ``empty_init=True`` skips weight init.
+
+        Usage: ``with fabric.init_module(): model = GPT(config)``.
+        """
+        with self._strategy.module_init_context(empty_init), torch.device(self.device), self._precision.module_init_context():
+            yield
+
+    @contextmanager
+    def init_tensor(self) -> Iterator[None]:
+        """Create tensors directly on the device and in the precision's dtype."""
+        with torch.device(self.device), self._precision.module_init_context():
+            yield
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | os.PathLike, state: Mapping[str, Any], filter: Mapping[str, Callable] | None = None) -> None:
+        """Write ``state`` atomically: modules, optimizers, schedulers, loaders (their position) and plain values,
+        plus the global random streams and the loss scaler, so ``load`` resumes bit-exactly.
+
+        ``filter`` maps a key of ``state`` to ``fn(name, value) -> bool`` choosing which entries of its state_dict
+        to keep. Usage: ``fabric.save("last.ckpt", {"model": model, "optimizer": optimizer, "step": step})``.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"fabric.save expects a dict of things to save, got {type(state).__name__}.")
+        if _META_KEY in state:
+            raise ValueError(f"The key {_META_KEY!r} is reserved by fabric.save; rename it in your state.")
+        for key, fn in (filter or {}).items():
+            if key not in state or not callable(fn):
+                raise ValueError(f"filter[{key!r}] must name a key of state and be a callable (name, value) -> bool.")
+        checkpoint: dict[str, Any] = {}
+        for key, obj in state.items():
+            value = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+            if filter and key in filter:
+                value = {name: v for name, v in value.items() if filter[key](name, v)}
+            checkpoint[key] = value
+        checkpoint[_META_KEY] = {"rng": capture_rng_state(), "precision": self._precision.state_dict()}
+        self._check_launched("save")
+        if self.is_global_zero:
+            atomic_save(checkpoint, path)
+        self._strategy.barrier("save")
+
+    def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True, *,
+             weights_only: bool = True) -> dict[str, Any]:
+        """Restore ``state`` in place from a checkpoint and return what it did not consume.
+
+        Objects with ``load_state_dict`` are loaded in place; plain values are written back into ``state``. The
+        random streams and the loss scaler saved with it are restored too. Without ``state``, returns the whole
+        checkpoint and restores nothing. Usage: ``remainder = fabric.load("last.ckpt", state)``.
+        """
+        checkpoint = safe_load(path, weights_only=weights_only)
+        if not isinstance(checkpoint, dict):
+            raise CheckpointError(f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes.")
+        meta = checkpoint.pop(_META_KEY, None)
+        if state is None:
+            return checkpoint
+        if not isinstance(state, dict):
+            raise TypeError(f"fabric.load expects state to be a dict (filled in place), got {type(state).__name__}.")
+        missing = [key for key in state if key not in checkpoint]
+        if strict and missing:
+            raise KeyError(f"Checkpoint {str(path)!r} lacks the keys {missing}; it has {sorted(checkpoint)}. "
+                           "Pass strict=False to load what is there.")
+        for key, obj in list(state.items()):
+            if key not in checkpoint:
+                continue
+            value = checkpoint.pop(key)
+            if isinstance(obj, torch.nn.Module):
+                obj.load_state_dict(value, strict=strict)
+            elif callable(getattr(obj, "load_state_dict", None)):
+                obj.load_state_dict(value)
+            else:
+                state[key] = value
+        if meta is not None:
+            self._precision.load_state_dict(meta.get("precision", {}))
+            restore_rng_state(meta["rng"])
+        self._strategy.barrier("load")
+        return checkpoint
+
+    def load_raw(self, path: str | os.PathLike, obj: torch.nn.Module | torch.optim.Optimizer, strict: bool = True, *,
+                 weights_only: bool = True) -> None:
+        """Load a plain state dict (e.g. saved with ``torch.save(model.state_dict())``) into a module or optimizer.
+
+        Usage: ``fabric.load_raw("weights.pt", model)``.
+        """
+        state_dict = safe_load(path, weights_only=weights_only)
+        if isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(state_dict, strict=strict)
+        elif isinstance(obj, torch.optim.Optimizer):
+            obj.load_state_dict(state_dict)
+        else:
+            raise TypeError(f"fabric.load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
+
+    # ------------------------------------------------------------------ logging, callbacks, progress
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        """Log one value (a number or one-element tensor) to every logger, from rank 0."""
+        self.log_dict({name: value}, step=step)
+
+    def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log several values to every logger, from rank 0. Usage: ``fabric.log_dict({"loss": loss}, step=i)``."""
+        if not self._loggers or not self.is_global_zero:
+            return
+        metrics = to_python_scalars(metrics)
+        for logger in self._loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
+        """Call ``hook_name(*args, **kwargs)`` on every callback that has it.
+
+        Usage: ``fabric.call("on_train_epoch_end", results=results)``.
+        """
+        for callback in self._callbacks:
+            method = getattr(callback, hook_name, None)
+            if callable(method):
+                method(*args, **kwargs)
+
+    def progress(self, iterable: Iterable, desc: str | None = None, **kwargs: Any) -> Iterable:
+        """A progress bar on rank 0 (quiet off a terminal); ``bar.set_metrics(loss=...)`` shows values.
+
+        Usage: ``for batch in (bar := fabric.progress(loader, desc="train")): ...``.
+        """
+        from fabriclite.progress import progress
+
+        if not self.is_global_zero:
+            kwargs["enable"] = False
+        return progress(iterable, desc=desc, **kwargs)
+
+    @staticmethod
+    def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
+        """Seed every global generator; see ``fabriclite.seed_everything``."""
+        return _seed_everything(seed=seed, workers=bool(workers), verbose=verbose)
+
+    def __repr__(self) -> str:
+        return f"Fabric(accelerator={self._accelerator!r}, strategy={self._strategy!r}, precision={self._precision!r})"
+
+
+__all__ = ["Fabric"]

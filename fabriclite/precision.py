@@ -1,0 +1,199 @@
+"""Numeric precision as a small set of hooks: convert the module, run the forward in a context, cast inputs and
+outputs, scale the loss on backward, step through the scaler. One class per family of settings.
+
+The hooks are looked up once, in ``Fabric.setup``; the per-step path calls only the ones that do something.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Iterator
+
+import torch
+
+from fabriclite._collections import apply_to_collection
+
+_warned_cpu_fp16 = False
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make ``dtype`` the default floating dtype inside the block (for building modules in true half/double)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    if type(data) is torch.Tensor:  # the common case, without walking a collection
+        return cast(data)
+    return apply_to_collection(data, torch.Tensor, cast)
+
+
+class _HalfGradScaler(torch.amp.GradScaler):
+    """GradScaler that also unscales fp16 gradients, which "16-true" has (all parameters are fp16).
+
+    PyTorch refuses that by default because unscaled fp16 gradients may underflow; with true half precision
+    there is no fp32 copy to unscale into, and scaling still keeps small gradients from flushing to zero.
+    """
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # noqa: ANN001, ANN202
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
+class Precision:
+    """Full fp32 ("32-true"): every hook does nothing. The base of the others.
+
+    Usage: ``Precision().forward_context()``.
+    """
+
+    name = "32-true"
+    # True when forward needs no context and no casts, so the wrapped module can call the module directly.
+    passthrough = True
+    scaler: torch.amp.GradScaler | None = None
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def forward_context(self) -> ContextManager:
+        return nullcontext()
+
+    def module_init_context(self) -> ContextManager:
+        return nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        return data
+
+    def convert_output(self, data: Any) -> Any:
+        return data
+
+    def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        tensor.backward(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        return optimizer.step(**kwargs)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the loss scale, if there is one (before clipping or inspecting them)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class _ScaledPrecision(Precision):
+    """Shared by the precisions that may carry a ``GradScaler`` (fp16 needs one, bf16 does not)."""
+
+    def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        tensor.backward(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        # The scaler skips the step when it finds inf/nan gradients, then backs off or grows the scale.
+        result = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return result
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+class MixedPrecision(_ScaledPrecision):
+    """"bf16-mixed" and "16-mixed": fp32 weights, forward under ``torch.autocast``, floating outputs back in fp32.
+
+    Usage: ``MixedPrecision("bf16-mixed", torch.device("cpu"))``.
+    """
+
+    passthrough = False
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.dtype = torch.bfloat16 if name == "bf16-mixed" else torch.float16
+        self.device_type = device.type
+        self.scaler = torch.amp.GradScaler(device.type) if self.dtype == torch.float16 else None
+
+    def forward_context(self) -> ContextManager:
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        # A loss computed outside the forward is then fp32, as Lightning does.
+        return _cast_floating(data, torch.float32)
+
+
+class TruePrecision(_ScaledPrecision):
+    """"64-true", "bf16-true" and "16-true": the weights themselves in that dtype; inputs cast to it.
+
+    "16-true" also scales the loss (Lightning Fabric does not), because fp16 gradients underflow without it.
+    Usage: ``TruePrecision("bf16-true", torch.device("cpu"))``.
+    """
+
+    passthrough = False
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.dtype = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}[name]
+        self.scaler = _HalfGradScaler(device.type) if self.dtype == torch.float16 else None
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(dtype=self.dtype)
+
+    def forward_context(self) -> ContextManager:
+        return default_dtype(self.dtype)
+
+    def module_init_context(self) -> ContextManager:
+        return default_dtype(self.dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        return _cast_floating(data, self.dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return _cast_floating(data, torch.get_default_dtype())
+
+
+def select_precision(name: str, device: torch.device) -> Precision:
+    """Build the precision object for a canonical precision name on ``device``.
+
+    Usage: ``select_precision("bf16-mixed", torch.device("cpu"))``.
+    """
+    global _warned_cpu_fp16
+    if name == "32-true":
+        return Precision()
+    if "bf16" in name and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"precision={name!r} needs bfloat16, which {torch.cuda.get_device_name(device)} does not support. "
+            "Use precision='16-mixed' (fp16 with loss scaling) instead."
+        )
+    if name == "16-mixed" and device.type == "cpu" and not _warned_cpu_fp16:
+        _warned_cpu_fp16 = True
+        warnings.warn(
+            "precision='16-mixed' on a CPU runs fp16 autocast, which CPUs emulate: a step was about 70x slower than "
+            "precision='bf16-mixed' on a CPU with AVX-512 BF16. Consider precision='bf16-mixed'.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if name.endswith("-mixed"):
+        return MixedPrecision(name, device)
+    return TruePrecision(name, device)

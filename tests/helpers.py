@@ -1,0 +1,35 @@
+"""What tests need to run real processes: one place, every call with a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python: this checkout importable, one thread, no buffering."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_python(*args: str, timeout: float = 120, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """Run ``python *args`` to completion and return the result (stdout and stderr as text)."""
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=python_env(**env))
+    if check and result.returncode != 0:
+        raise AssertionError(f"python {' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def start_python(*args: str, **env: str) -> subprocess.Popen:
+    """Start ``python *args`` with stdout as a pipe of lines; the caller must wait or kill it (with a timeout)."""
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=python_env(**env))
