@@ -1,0 +1,215 @@
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fabriclite.precision as precision_module
+from fabriclite import Fabric
+from fabriclite.precision import select_precision
+
+
+def tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def setup(precision, model=None):
+    fabric = Fabric(accelerator="cpu", precision=precision)
+    model = model or tiny()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped_model, wrapped_opt = fabric.setup(model, optimizer)
+    return fabric, wrapped_model, wrapped_opt
+
+
+def test_bf16_mixed_runs_the_forward_under_autocast_and_returns_fp32():
+    _, model, _ = setup("bf16-mixed")
+    seen = []
+    model.module[0].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    out = model(torch.randn(3, 4))
+    assert seen == [torch.bfloat16]
+    assert out.dtype == torch.float32
+    assert model.module[0].weight.dtype == torch.float32  # master weights stay fp32
+
+
+def test_32_true_leaves_everything_in_fp32():
+    _, model, _ = setup("32-true")
+    assert model(torch.randn(3, 4)).dtype == torch.float32
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("64-true", torch.float64)])
+def test_true_precisions_convert_weights_and_inputs(name, dtype):
+    _, model, _ = setup(name)
+    seen = []
+    model.module[0].register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
+    out = model(torch.randn(3, 4))
+    assert model.module[0].weight.dtype == dtype
+    assert seen == [(dtype, dtype)]
+    assert out.dtype == torch.float32
+
+
+def test_16_mixed_on_cpu_warns_once_that_it_is_slow_and_suggests_bf16(monkeypatch):
+    monkeypatch.setattr(precision_module, "_warned_cpu_fp16", False)
+    with pytest.warns(UserWarning, match="bf16-mixed"):
+        Fabric(accelerator="cpu", precision="16-mixed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fabric = Fabric(accelerator="cpu", precision="16-mixed")
+    assert fabric._precision.name == "16-mixed"  # warned, not switched
+
+
+def test_bf16_on_a_cuda_device_without_bf16_suggests_16_mixed(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ValueError, match="16-mixed"):
+        select_precision("bf16-mixed", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("name", ["16-mixed", "16-true"])
+def test_the_scaler_skips_a_step_with_inf_gradients_and_backs_off(name):
+    fabric, model, optimizer = setup(name)
+    scaler = fabric._precision.scaler
+    assert scaler is not None
+    start_scale = scaler.get_scale()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    loss = model(torch.randn(3, 4)).float().sum() * float("inf")  # injected overflow
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the step must be skipped"
+    assert scaler.get_scale() == start_scale * 0.5
+
+    fabric.backward(model(torch.randn(3, 4)).float().mean())
+    optimizer.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a finite step must apply"
+    assert scaler.get_scale() == start_scale * 0.5
+
+
+def test_the_scale_grows_after_growth_interval_good_steps():
+    fabric, model, optimizer = setup("16-mixed")
+    scaler = fabric._precision.scaler
+    state = scaler.state_dict()
+    state["_growth_tracker"] = state["growth_interval"] - 1
+    scaler.load_state_dict(state)
+    scale = scaler.get_scale()
+    fabric.backward(model(torch.randn(3, 4)).mean())
+    optimizer.step()
+    assert scaler.get_scale() == scale * 2
+
+
+def test_16_mixed_scales_the_loss_on_backward():
+    fabric, model, optimizer = setup("16-mixed")
+    reference = tiny()
+    x = torch.randn(3, 4)
+    reference(x).mean().backward()
+    fabric.backward(model(x).mean())
+    scale = fabric._precision.scaler.get_scale()
+    grad = model.module[2].bias.grad
+    assert torch.allclose(grad / scale, reference[2].bias.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_backward_with_a_loss_scaler_before_setup_is_refused():
+    fabric = Fabric(accelerator="cpu", precision="16-mixed")
+    loss = tiny()(torch.randn(2, 4)).sum()
+    with pytest.raises(RuntimeError, match="fabric.setup"):
+        fabric.backward(loss)
+
+
+def test_backward_without_a_scaler_works_before_setup():
+    fabric = Fabric(accelerator="cpu", precision="bf16-mixed")
+    model = tiny()
+    fabric.backward(model(torch.randn(2, 4)).sum())
+    assert model[0].weight.grad is not None
+
+
+def test_clip_gradients_by_norm_returns_the_total_norm_and_clips():
+    fabric, model, optimizer = setup("32-true")
+    fabric.backward(model(torch.randn(5, 4)).pow(2).sum() * 100)
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    norm = fabric.clip_gradients(model, optimizer, max_norm=0.5)
+    assert torch.allclose(norm, expected)
+    after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert after == pytest.approx(0.5, rel=1e-4)
+
+
+def test_clip_gradients_by_value_clamps_each_gradient():
+    fabric, model, optimizer = setup("32-true")
+    fabric.backward(model(torch.randn(5, 4)).pow(2).sum() * 100)
+    assert fabric.clip_gradients(model, optimizer, clip_val=0.01) is None
+    assert max(p.grad.abs().max().item() for p in model.parameters()) <= 0.01
+
+
+def test_clip_gradients_unscales_first_under_16_mixed():
+    fabric, model, optimizer = setup("16-mixed")
+    reference = tiny()
+    x = torch.randn(5, 4)
+    reference(x).mean().backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    fabric.backward(model(x).mean())
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1e9)
+    assert torch.allclose(norm, expected, rtol=1e-2)
+
+
+def test_clip_gradients_with_inf_raises_in_fp32_but_lets_the_scaler_skip_in_fp16():
+    fabric, model, optimizer = setup("32-true")
+    fabric.backward(model(torch.randn(2, 4)).sum() * float("inf"))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+
+    fabric, model, optimizer = setup("16-mixed")
+    before = [p.detach().clone() for p in model.parameters()]
+    fabric.backward(model(torch.randn(2, 4)).sum() * float("inf"))
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    assert not torch.isfinite(norm)
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"clip_val": 1.0, "max_norm": 1.0}])
+def test_clip_gradients_needs_exactly_one_of_clip_val_and_max_norm(kwargs):
+    fabric, model, optimizer = setup("32-true")
+    with pytest.raises(ValueError, match="exactly one"):
+        fabric.clip_gradients(model, optimizer, **kwargs)
+
+
+def test_autocast_context_applies_the_precision_outside_the_model():
+    fabric = Fabric(accelerator="cpu", precision="bf16-mixed")
+    with fabric.autocast():
+        out = torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4))
+    assert out.dtype == torch.bfloat16
+
+
+def test_init_module_builds_in_the_precision_dtype_and_empty_init_skips_init():
+    fabric = Fabric(accelerator="cpu", precision="bf16-true")
+    with fabric.init_module():
+        layer = nn.Linear(4, 4)
+    assert layer.weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32
+
+    tensor = torch.zeros(3)
+    with Fabric(accelerator="cpu").init_module(empty_init=True):
+        nn.init.constant_(tensor, 5.0)
+    assert torch.equal(tensor, torch.zeros(3))
+    with Fabric(accelerator="cpu").init_module(empty_init=False):
+        nn.init.constant_(tensor, 5.0)
+    assert torch.equal(tensor, torch.full((3,), 5.0))
+
+
+def test_init_tensor_uses_the_precision_dtype():
+    fabric = Fabric(accelerator="cpu", precision="64-true")
+    with fabric.init_tensor():
+        t = torch.ones(2)
+    assert t.dtype == torch.float64
+
+
+def test_scaler_state_is_saved_and_restored(tmp_path):
+    fabric, model, optimizer = setup("16-mixed")
+    fabric.backward(model(torch.randn(2, 4)).sum() * float("inf"))
+    optimizer.step()
+    scale = fabric._precision.scaler.get_scale()
+    fabric.save(tmp_path / "c.ckpt", {"model": model, "optimizer": optimizer})
+    fresh, fresh_model, fresh_opt = setup("16-mixed")
+    assert fresh._precision.scaler.get_scale() != scale
+    fresh.load(tmp_path / "c.ckpt", {"model": fresh_model, "optimizer": fresh_opt})
+    assert fresh._precision.scaler.get_scale() == scale
