@@ -7,4 +7,4 @@ from fabriclite.fabric import Fabric
 from fabriclite.seed import seed_everything
 
 __version__ = "0.1.0.dev0"
-__all__ = ["Fabric", "seed_everything", "__version__"]
+__all__ = ["Fabric", "__version__", "seed_everything"]

@@ -8,7 +8,9 @@ from typing import Any, Callable
 import torch
 
 
-def apply_to_collection(data: Any, dtype: type | tuple[type, ...], function: Callable, *args: Any, **kwargs: Any) -> Any:
+def apply_to_collection(
+    data: Any, dtype: type | tuple[type, ...], function: Callable, *args: Any, **kwargs: Any
+) -> Any:
     """Return ``data`` with ``function`` applied to every element of type ``dtype``, keeping the containers.
 
     Usage: ``apply_to_collection(batch, torch.Tensor, lambda t: t.to("cuda"))``.
@@ -52,7 +54,9 @@ def to_python_scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in metrics.items():
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(f"Logged value {key!r} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+                raise ValueError(
+                    f"Logged value {key!r} must be a number or a one-element tensor, got shape {tuple(value.shape)}"
+                )
             value = value.item()
         out[key] = value
     return out

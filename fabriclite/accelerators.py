@@ -77,23 +77,31 @@ def select_accelerator(name: str, devices: int | list[int] | str) -> Accelerator
         elif MPSAccelerator.is_available():
             name = "mps"
         else:
-            raise RuntimeError("accelerator='gpu' was requested but neither CUDA nor MPS is available. Use accelerator='cpu'.")
+            raise RuntimeError(
+                "accelerator='gpu' was requested but neither CUDA nor MPS is available. Use accelerator='cpu'."
+            )
 
     if name == "cpu":
         count = 1 if devices == "auto" else devices
         if not isinstance(count, int) or count < 1:
-            raise ValueError(f"devices={devices!r} is not valid with accelerator='cpu': expected a positive int (the number of processes).")
+            raise ValueError(
+                f"devices={devices!r} is not valid with accelerator='cpu': expected a positive int (the number of processes)."
+            )
         return CPUAccelerator(list(range(count)))
 
     if name == "mps":
         if not MPSAccelerator.is_available():
             raise RuntimeError("accelerator='mps' was requested but MPS is not available on this machine.")
         if devices not in ("auto", 1, -1, [0]):
-            raise ValueError(f"devices={devices!r} is not valid with accelerator='mps': MPS has one device, use devices=1.")
+            raise ValueError(
+                f"devices={devices!r} is not valid with accelerator='mps': MPS has one device, use devices=1."
+            )
         return MPSAccelerator([0])
 
     if not CUDAAccelerator.is_available():
-        raise RuntimeError(f"accelerator={name!r} was requested but CUDA is not available. Use accelerator='cpu' or 'auto'.")
+        raise RuntimeError(
+            f"accelerator={name!r} was requested but CUDA is not available. Use accelerator='cpu' or 'auto'."
+        )
     available = torch.cuda.device_count()
     if devices in ("auto", -1):
         indices = list(range(available))
@@ -102,5 +110,7 @@ def select_accelerator(name: str, devices: int | list[int] | str) -> Accelerator
     else:
         indices = list(devices)
     if not indices or max(indices) >= available:
-        raise ValueError(f"devices={devices!r} asks for CUDA devices this machine lacks: it has {available} (indices 0..{available - 1}).")
+        raise ValueError(
+            f"devices={devices!r} asks for CUDA devices this machine lacks: it has {available} (indices 0..{available - 1})."
+        )
     return CUDAAccelerator(indices)

@@ -7,7 +7,8 @@ Each parser takes what a user (or a Lightning Fabric script) may pass and return
 from __future__ import annotations
 
 import difflib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 
@@ -96,7 +97,11 @@ def parse_devices(devices: Any) -> int | list[int] | str:
         if devices == -1 or devices > 0:
             return devices
         raise ValueError(f"devices={original!r} is not valid: use a positive count or -1 for all devices.")
-    if isinstance(devices, (list, tuple)) and devices and all(isinstance(d, int) and not isinstance(d, bool) for d in devices):
+    if (
+        isinstance(devices, (list, tuple))
+        and devices
+        and all(isinstance(d, int) and not isinstance(d, bool) for d in devices)
+    ):
         if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
             raise ValueError(f"devices={original!r} is not valid: indices must be distinct and non-negative.")
         return list(devices)

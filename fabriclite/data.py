@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -20,9 +21,12 @@ def _loader_generators(loader: DataLoader) -> dict[str, torch.Generator]:
     """The torch generators a loader's shuffling may draw from, by where they sit (shared ones named once)."""
     found: dict[str, torch.Generator] = {}
     seen: set[int] = set()
-    for where, owner in (("loader", loader), ("sampler", getattr(loader, "sampler", None)),
-                         ("batch_sampler", getattr(loader, "batch_sampler", None)),
-                         ("batch_sampler.sampler", getattr(getattr(loader, "batch_sampler", None), "sampler", None))):
+    for where, owner in (
+        ("loader", loader),
+        ("sampler", getattr(loader, "sampler", None)),
+        ("batch_sampler", getattr(loader, "batch_sampler", None)),
+        ("batch_sampler.sampler", getattr(getattr(loader, "batch_sampler", None), "sampler", None)),
+    ):
         generator = getattr(owner, "generator", None)
         if isinstance(generator, torch.Generator) and id(generator) not in seen:
             seen.add(id(generator))
@@ -31,8 +35,10 @@ def _loader_generators(loader: DataLoader) -> dict[str, torch.Generator]:
 
 
 def _capture_loader_rng(loader: DataLoader) -> dict[str, Any]:
-    return {"global": capture_rng_state(),
-            "generators": {where: g.get_state() for where, g in _loader_generators(loader).items()}}
+    return {
+        "global": capture_rng_state(),
+        "generators": {where: g.get_state() for where, g in _loader_generators(loader).items()},
+    }
 
 
 def _restore_loader_rng(loader: DataLoader, state: dict[str, Any]) -> None:
@@ -166,8 +172,12 @@ class _FabricDataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: epochs started, whether one is under way, batches yielded, its starting random state."""
-        return {"epochs_started": self._epochs_started, "in_epoch": self._in_epoch, "yielded": self._yielded,
-                "epoch_rng": self._epoch_rng if self._in_epoch else None}
+        return {
+            "epochs_started": self._epochs_started,
+            "in_epoch": self._in_epoch,
+            "yielded": self._yielded,
+            "epoch_rng": self._epoch_rng if self._in_epoch else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position; the next iteration continues the saved epoch when it was under way."""

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch.utils.data import DataLoader
@@ -17,7 +17,13 @@ from torch.utils.data import DataLoader
 from fabriclite import choices
 from fabriclite._collections import apply_to_collection, convert_to_tensors, move_to_device, to_python_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
-from fabriclite.checkpoint import CheckpointError, atomic_save, capture_rng_state, restore_rng_state, safe_load
+from fabriclite.checkpoint import (
+    CheckpointError,
+    atomic_save,
+    capture_rng_state,
+    restore_rng_state,
+    safe_load,
+)
 from fabriclite.data import _FabricDataLoader
 from fabriclite.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
@@ -68,7 +74,9 @@ class Fabric:
         user_precision = None
         for plugin in _as_list(plugins):
             if not isinstance(plugin, Precision):
-                raise ValueError(f"plugins={plugin!r} is not supported: fabriclite accepts Precision objects as plugins.")
+                raise ValueError(
+                    f"plugins={plugin!r} is not supported: fabriclite accepts Precision objects as plugins."
+                )
             user_precision = plugin
 
         self._accelerator: Accelerator = select_accelerator(accelerator_name, parsed_devices)
@@ -141,8 +149,14 @@ class Fabric:
             return None
         return function(self, *args, **kwargs)
 
-    def setup(self, module: torch.nn.Module, *optimizers: torch.optim.Optimizer, scheduler: Any = None,
-              move_to_device: bool = True, _reapply_compile: bool = True) -> Any:
+    def setup(
+        self,
+        module: torch.nn.Module,
+        *optimizers: torch.optim.Optimizer,
+        scheduler: Any = None,
+        move_to_device: bool = True,
+        _reapply_compile: bool = True,
+    ) -> Any:
         """Wrap a model and its optimizers; returns the model alone, or ``(model, *optimizers[, scheduler])``.
 
         Usage: ``model, optimizer = fabric.setup(model, optimizer)``.
@@ -153,7 +167,9 @@ class Fabric:
             return (module, *wrapped, scheduler)
         return (module, *wrapped) if wrapped else module
 
-    def setup_module(self, module: torch.nn.Module, move_to_device: bool = True, _reapply_compile: bool = True) -> _FabricModule:
+    def setup_module(
+        self, module: torch.nn.Module, move_to_device: bool = True, _reapply_compile: bool = True
+    ) -> _FabricModule:
         """Wrap a model: precision conversion, placement on the device, the strategy's wrapper.
 
         Usage: ``model = fabric.setup_module(model)``.
@@ -163,7 +179,9 @@ class Fabric:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"fabric.setup expects a torch.nn.Module, got {type(module).__name__}.")
         if module in self._setup_modules:
-            raise ValueError(f"{type(module).__name__} was already set up by this Fabric; use the module setup returned.")
+            raise ValueError(
+                f"{type(module).__name__} was already set up by this Fabric; use the module setup returned."
+            )
         module = self._precision.convert_module(module)
         if move_to_device:
             self._strategy.module_to_device(module)
@@ -185,14 +203,17 @@ class Fabric:
         if isinstance(optimizer, _FabricOptimizer):
             raise ValueError("This optimizer was already set up by fabric.setup; pass each optimizer only once.")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"fabric.setup expects torch.optim.Optimizer objects after the model, got {type(optimizer).__name__}.")
+            raise TypeError(
+                f"fabric.setup expects torch.optim.Optimizer objects after the model, got {type(optimizer).__name__}."
+            )
         optimizer = self._strategy.setup_optimizer(optimizer)
         self._optimizers_setup += 1
         self._backward_ready = True
         return _FabricOptimizer(optimizer, self._precision)
 
-    def setup_dataloaders(self, *dataloaders: DataLoader, use_distributed_sampler: bool = True,
-                          move_to_device: bool = True) -> Any:
+    def setup_dataloaders(
+        self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
+    ) -> Any:
         """Wrap loaders: batches moved to the device, position kept for checkpoints; one in, one out, else a list.
 
         Usage: ``train_loader, val_loader = fabric.setup_dataloaders(train_loader, val_loader)``.
@@ -204,7 +225,9 @@ class Fabric:
             if isinstance(loader, _FabricDataLoader):
                 raise ValueError("This DataLoader was already set up by fabric.setup_dataloaders; pass it only once.")
             if not isinstance(loader, DataLoader):
-                raise TypeError(f"fabric.setup_dataloaders expects torch.utils.data.DataLoader objects, got {type(loader).__name__}.")
+                raise TypeError(
+                    f"fabric.setup_dataloaders expects torch.utils.data.DataLoader objects, got {type(loader).__name__}."
+                )
             loader = self._strategy.process_dataloader(loader, use_distributed_sampler)
             wrapped.append(_FabricDataLoader(loader, self.device if move_to_device else None))
         return wrapped[0] if len(wrapped) == 1 else wrapped
@@ -222,9 +245,15 @@ class Fabric:
             )
         self._precision.backward(tensor, *args, **kwargs)
 
-    def clip_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | None = None,
-                       max_norm: float | None = None, norm_type: float = 2.0,
-                       error_if_nonfinite: bool = True) -> torch.Tensor | None:
+    def clip_gradients(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        clip_val: float | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor | None:
         """Clip gradients by value (``clip_val``) or by total norm (``max_norm``, returns that norm), after unscaling.
 
         With a loss scaler, a non-finite norm does not raise: the scaler skips that step and lowers the scale, which
@@ -232,7 +261,9 @@ class Fabric:
         Usage: ``fabric.clip_gradients(model, optimizer, max_norm=1.0)``.
         """
         if (clip_val is None) == (max_norm is None):
-            raise ValueError(f"Pass exactly one of clip_val or max_norm, got clip_val={clip_val!r}, max_norm={max_norm!r}.")
+            raise ValueError(
+                f"Pass exactly one of clip_val or max_norm, got clip_val={clip_val!r}, max_norm={max_norm!r}."
+            )
         inner = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
         self._precision.unscale_gradients(inner)
         if clip_val is not None:
@@ -255,7 +286,9 @@ class Fabric:
         Usage: ``with fabric.no_backward_sync(model, enabled=not last_micro_batch): fabric.backward(loss)``.
         """
         if not isinstance(module, _FabricModule):
-            raise TypeError(f"fabric.no_backward_sync expects the model returned by fabric.setup, got {type(module).__name__}.")
+            raise TypeError(
+                f"fabric.no_backward_sync expects the model returned by fabric.setup, got {type(module).__name__}."
+            )
         return self._strategy.no_backward_sync(module._forward_module, enabled)
 
     def to_device(self, obj: Any) -> Any:
@@ -297,7 +330,9 @@ class Fabric:
         if not isinstance(reduce_op, str) or reduce_op.lower() not in _REDUCE_OPS:
             raise ValueError(f"reduce_op={reduce_op!r} is not supported. Valid choices: {', '.join(_REDUCE_OPS)}.")
         data = convert_to_tensors(data, self.device)
-        return apply_to_collection(data, torch.Tensor, self._strategy.all_reduce, group=group, reduce_op=reduce_op.lower())
+        return apply_to_collection(
+            data, torch.Tensor, self._strategy.all_reduce, group=group, reduce_op=reduce_op.lower()
+        )
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Iterator[None]:
@@ -312,7 +347,11 @@ class Fabric:
 
         Usage: ``with fabric.init_module(): model = GPT(config)``.
         """
-        with self._strategy.module_init_context(empty_init), torch.device(self.device), self._precision.module_init_context():
+        with (
+            self._strategy.module_init_context(empty_init),
+            torch.device(self.device),
+            self._precision.module_init_context(),
+        ):
             yield
 
     @contextmanager
@@ -322,7 +361,9 @@ class Fabric:
             yield
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str | os.PathLike, state: Mapping[str, Any], filter: Mapping[str, Callable] | None = None) -> None:
+    def save(
+        self, path: str | os.PathLike, state: Mapping[str, Any], filter: Mapping[str, Callable] | None = None
+    ) -> None:
         """Write ``state`` atomically: modules, optimizers, schedulers, loaders (their position) and plain values,
         plus the global random streams and the loss scaler, so ``load`` resumes bit-exactly.
 
@@ -348,8 +389,14 @@ class Fabric:
             atomic_save(checkpoint, path)
         self._strategy.barrier("save")
 
-    def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True, *,
-             weights_only: bool = True) -> dict[str, Any]:
+    def load(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any] | None = None,
+        strict: bool = True,
+        *,
+        weights_only: bool = True,
+    ) -> dict[str, Any]:
         """Restore ``state`` in place from a checkpoint and return what it did not consume.
 
         Objects with ``load_state_dict`` are loaded in place; plain values are written back into ``state``. The
@@ -358,7 +405,9 @@ class Fabric:
         """
         checkpoint = safe_load(path, weights_only=weights_only)
         if not isinstance(checkpoint, dict):
-            raise CheckpointError(f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes.")
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes."
+            )
         meta = checkpoint.pop(_META_KEY, None)
         if state is None:
             return checkpoint
@@ -366,8 +415,10 @@ class Fabric:
             raise TypeError(f"fabric.load expects state to be a dict (filled in place), got {type(state).__name__}.")
         missing = [key for key in state if key not in checkpoint]
         if strict and missing:
-            raise KeyError(f"Checkpoint {str(path)!r} lacks the keys {missing}; it has {sorted(checkpoint)}. "
-                           "Pass strict=False to load what is there.")
+            raise KeyError(
+                f"Checkpoint {str(path)!r} lacks the keys {missing}; it has {sorted(checkpoint)}. "
+                "Pass strict=False to load what is there."
+            )
         for key, obj in list(state.items()):
             if key not in checkpoint:
                 continue
@@ -384,8 +435,14 @@ class Fabric:
         self._strategy.barrier("load")
         return checkpoint
 
-    def load_raw(self, path: str | os.PathLike, obj: torch.nn.Module | torch.optim.Optimizer, strict: bool = True, *,
-                 weights_only: bool = True) -> None:
+    def load_raw(
+        self,
+        path: str | os.PathLike,
+        obj: torch.nn.Module | torch.optim.Optimizer,
+        strict: bool = True,
+        *,
+        weights_only: bool = True,
+    ) -> None:
         """Load a plain state dict (e.g. saved with ``torch.save(model.state_dict())``) into a module or optimizer.
 
         Usage: ``fabric.load_raw("weights.pt", model)``.

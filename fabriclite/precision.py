@@ -7,8 +7,9 @@ The hooks are looked up once, in ``Fabric.setup``; the per-step path calls only 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import torch
 
@@ -44,7 +45,7 @@ class _HalfGradScaler(torch.amp.GradScaler):
     there is no fp32 copy to unscale into, and scaling still keeps small gradients from flushing to zero.
     """
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # noqa: ANN001, ANN202
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
@@ -122,7 +123,7 @@ class _ScaledPrecision(Precision):
 
 
 class MixedPrecision(_ScaledPrecision):
-    """"bf16-mixed" and "16-mixed": fp32 weights, forward under ``torch.autocast``, floating outputs back in fp32.
+    """ "bf16-mixed" and "16-mixed": fp32 weights, forward under ``torch.autocast``, floating outputs back in fp32.
 
     Usage: ``MixedPrecision("bf16-mixed", torch.device("cpu"))``.
     """
@@ -144,7 +145,7 @@ class MixedPrecision(_ScaledPrecision):
 
 
 class TruePrecision(_ScaledPrecision):
-    """"64-true", "bf16-true" and "16-true": the weights themselves in that dtype; inputs cast to it.
+    """ "64-true", "bf16-true" and "16-true": the weights themselves in that dtype; inputs cast to it.
 
     "16-true" also scales the loss (Lightning Fabric does not), because fp16 gradients underflow without it.
     Usage: ``TruePrecision("bf16-true", torch.device("cpu"))``.

@@ -4,8 +4,9 @@ the distributed strategies live beside it and are imported only when asked for.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import torch
 
@@ -75,10 +76,12 @@ class Strategy:
     def process_dataloader(self, dataloader: Any, use_distributed_sampler: bool) -> Any:
         return dataloader
 
-    def clip_gradients_norm(self, module: torch.nn.Module, max_norm: float, norm_type: float,
-                            error_if_nonfinite: bool) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type=norm_type,
-                                              error_if_nonfinite=error_if_nonfinite)
+    def clip_gradients_norm(
+        self, module: torch.nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(
+            module.parameters(), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
 
     # Collectives: one process has nothing to exchange.
     def barrier(self, name: str | None = None) -> None:
@@ -112,7 +115,7 @@ class Strategy:
 class _SkipInit(torch.overrides.TorchFunctionMode):
     """Makes the in-place init functions of ``torch.nn.init`` return their tensor untouched."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__module__", None) == "torch.nn.init":
             return kwargs["tensor"] if "tensor" in kwargs else args[0]
@@ -134,8 +137,10 @@ def select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> 
     if strategy in ("auto", "single_device") and processes == 1:
         return SingleDeviceStrategy()
     if strategy == "single_device":
-        raise ValueError(f"strategy='single_device' runs one process, but devices * num_nodes = {processes}. "
-                         "Use devices=1, or a distributed strategy.")
+        raise ValueError(
+            f"strategy='single_device' runs one process, but devices * num_nodes = {processes}. "
+            "Use devices=1, or a distributed strategy."
+        )
     raise NotImplementedError(
         f"strategy={strategy!r} with {processes} process(es) needs distributed training, which is not available yet "
         "in this version of fabriclite. Use devices=1 with strategy='auto' or 'single_device'."

@@ -18,7 +18,9 @@ class _FabricModule(torch.nn.Module):
     ``forward_module`` is what runs (possibly a DDP/compiled wrapper); ``module`` is the user's original module.
     """
 
-    def __init__(self, forward_module: torch.nn.Module, precision: Precision, original_module: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self, forward_module: torch.nn.Module, precision: Precision, original_module: torch.nn.Module | None = None
+    ) -> None:
         super().__init__()
         self._forward_module = forward_module
         self._original_module = original_module if original_module is not None else forward_module
@@ -58,7 +60,12 @@ class _FabricModule(torch.nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         # Attributes the user's module already has are set there, so `model.flag = True` reaches the model.
         original = self.__dict__.get("_modules", {}).get("_original_module")
-        if original is not None and not name.startswith("_") and hasattr(original, name) and not hasattr(type(self), name):
+        if (
+            original is not None
+            and not name.startswith("_")
+            and hasattr(original, name)
+            and not hasattr(type(self), name)
+        ):
             setattr(original, name, value)
         else:
             super().__setattr__(name, value)
@@ -82,7 +89,9 @@ class _FabricOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "_precision", precision)
-        object.__setattr__(self, "__class__", type("Fabric" + type(optimizer).__name__, (_FabricOptimizer, type(optimizer)), {}))
+        object.__setattr__(
+            self, "__class__", type("Fabric" + type(optimizer).__name__, (_FabricOptimizer, type(optimizer)), {})
+        )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -23,7 +23,9 @@ def python_env(**extra: str) -> dict[str, str]:
 
 def run_python(*args: str, timeout: float = 120, check: bool = True, **env: str) -> subprocess.CompletedProcess:
     """Run ``python *args`` to completion and return the result (stdout and stderr as text)."""
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=python_env(**env))
+    result = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=python_env(**env)
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"python {' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
@@ -31,5 +33,6 @@ def run_python(*args: str, timeout: float = 120, check: bool = True, **env: str)
 
 def start_python(*args: str, **env: str) -> subprocess.Popen:
     """Start ``python *args`` with stdout as a pipe of lines; the caller must wait or kill it (with a timeout)."""
-    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=python_env(**env))
+    return subprocess.Popen(
+        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(**env)
+    )

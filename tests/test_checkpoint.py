@@ -6,11 +6,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import SCRIPTS, start_python
 from torch import nn
 
 from fabriclite import Fabric
 from fabriclite.checkpoint import CheckpointError, atomic_save, safe_load
-from helpers import SCRIPTS, start_python
 
 
 def setup_state(seed=0):

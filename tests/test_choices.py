@@ -31,16 +31,30 @@ def test_invalid_devices_are_refused_with_the_value_in_the_message(devices):
         Fabric(accelerator="cpu", devices=devices)
 
 
-@pytest.mark.parametrize(("value", "parsed"), [(1, 1), ("2", 2), ("-1", -1), (-1, -1), ("0,1", [0, 1]), ("1,", [1]),
-                                               ([0, 2], [0, 2]), ("AUTO", "auto")])
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [(1, 1), ("2", 2), ("-1", -1), (-1, -1), ("0,1", [0, 1]), ("1,", [1]), ([0, 2], [0, 2]), ("AUTO", "auto")],
+)
 def test_devices_accept_lightning_forms(value, parsed):
     assert parse_devices(value) == parsed
 
 
-@pytest.mark.parametrize(("value", "canonical"), [(None, "32-true"), (32, "32-true"), ("32", "32-true"),
-                                                  (64, "64-true"), ("64", "64-true"), (16, "16-mixed"),
-                                                  ("16", "16-mixed"), ("bf16", "bf16-mixed"), ("BF16-Mixed", "bf16-mixed"),
-                                                  ("16-true", "16-true"), ("bf16-true", "bf16-true")])
+@pytest.mark.parametrize(
+    ("value", "canonical"),
+    [
+        (None, "32-true"),
+        (32, "32-true"),
+        ("32", "32-true"),
+        (64, "64-true"),
+        ("64", "64-true"),
+        (16, "16-mixed"),
+        ("16", "16-mixed"),
+        ("bf16", "bf16-mixed"),
+        ("BF16-Mixed", "bf16-mixed"),
+        ("16-true", "16-true"),
+        ("bf16-true", "bf16-true"),
+    ],
+)
 def test_precision_aliases_map_to_canonical_names(value, canonical):
     assert parse_precision(value) == canonical
 

@@ -11,8 +11,9 @@ from fabriclite import Fabric, seed_everything
 
 def build():
     seed_everything(7, verbose=False)
-    model = nn.Sequential(nn.Linear(10, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 32), nn.ReLU(),
-                          nn.Dropout(0.1), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(10, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     data = TensorDataset(torch.randn(150, 10), torch.randint(0, 4, (150,)))
     loader = DataLoader(data, batch_size=16, shuffle=True)

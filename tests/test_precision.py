@@ -37,7 +37,9 @@ def test_32_true_leaves_everything_in_fp32():
     assert model(torch.randn(3, 4)).dtype == torch.float32
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("64-true", torch.float64)])
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("64-true", torch.float64)]
+)
 def test_true_precisions_convert_weights_and_inputs(name, dtype):
     _, model, _ = setup(name)
     seen = []

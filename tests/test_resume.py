@@ -4,7 +4,6 @@ import signal
 
 import pytest
 import torch
-
 from helpers import SCRIPTS, run_python, start_python
 
 SCRIPT = str(SCRIPTS / "resumable_train.py")
@@ -35,7 +34,7 @@ def test_killed_twice_and_resumed_ends_bit_identical_to_an_uninterrupted_run(tmp
     run_python(SCRIPT, "--ckpt", str(tmp_path / "ref.ckpt"), "--out", str(tmp_path / "ref.pt"), *common, timeout=180)
 
     args = ["--ckpt", str(tmp_path / "run.ckpt"), "--out", str(tmp_path / "run.pt"), "--sleep", "0.05", *common]
-    run_until_step(args, 10)   # checkpoint at step 8, inside the first epoch (13 batches)
+    run_until_step(args, 10)  # checkpoint at step 8, inside the first epoch (13 batches)
     second = run_until_step(args, 23)  # resumes at 8; checkpoint at 20, inside the second epoch
     assert [line for line in second if line.startswith("resumed")] == ["resumed at step 8 epoch 0"]
     third = run_python(SCRIPT, *args, timeout=180).stdout.splitlines()

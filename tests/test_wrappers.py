@@ -123,7 +123,9 @@ def test_setup_optimizers_returns_one_or_a_tuple(fabric):
     net = Net()
     one = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.1))
     assert isinstance(one, torch.optim.SGD)
-    two = fabric.setup_optimizers(torch.optim.SGD(net.body.parameters(), lr=0.1), torch.optim.SGD(net.head.parameters(), lr=0.1))
+    two = fabric.setup_optimizers(
+        torch.optim.SGD(net.body.parameters(), lr=0.1), torch.optim.SGD(net.head.parameters(), lr=0.1)
+    )
     assert isinstance(two, tuple) and len(two) == 2
 
 
@@ -152,6 +154,5 @@ def test_no_backward_sync_needs_the_wrapped_model(fabric):
     model = fabric.setup(net)
     with fabric.no_backward_sync(model):
         pass
-    with pytest.raises(TypeError, match="fabric.setup"):
-        with fabric.no_backward_sync(net):
-            pass
+    with pytest.raises(TypeError, match="fabric.setup"), fabric.no_backward_sync(net):
+        pass

@@ -1,0 +1,126 @@
+"""A logger writing metrics to ``metrics.csv`` and hyperparameters to ``hparams.yaml``."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from fabriclite.loggers.base import _params_dict, _VersionedLogger
+
+
+class CSVLogger(_VersionedLogger):
+    """Log to ``root_dir/name/version_N/metrics.csv``, the layout of Lightning Fabric's ``CSVLogger``.
+
+    Rows are buffered and written every ``flush_logs_every_n_steps`` calls to ``log_metrics``, on
+    ``save()`` and on ``finalize()``. The header is the union of all metric names seen plus ``step``;
+    when new names appear, the file is rewritten under the wider header.
+
+    Usage::
+
+        logger = CSVLogger("logs", name="mnist")
+        logger.log_metrics({"loss": 0.25}, step=10)
+        logger.finalize("success")
+    """
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+    ) -> None:
+        if (
+            not isinstance(flush_logs_every_n_steps, int)
+            or isinstance(flush_logs_every_n_steps, bool)
+            or flush_logs_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"flush_logs_every_n_steps={flush_logs_every_n_steps!r} is not valid: pass an int >= 1 "
+                "(1 writes every row at once, larger values write less often)."
+            )
+        super().__init__(root_dir, name, version, prefix)
+        self._flush_every = flush_logs_every_n_steps
+        self._rows: list[dict[str, float]] = []
+        self._columns: list[str] = ["step"]
+        self._columns_on_disk: list[str] | None = None  # None until this logger first writes the file
+        self._rows_logged = 0
+        self._hparams: dict[str, Any] = {}
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Buffer one row; ``step`` defaults to the number of rows logged before it.
+
+        Usage: ``logger.log_metrics({"loss": 0.25, "acc": 0.9}, step=100)``
+        """
+        row = self._prepare_metrics(metrics)
+        if step is None:
+            step = self._rows_logged
+        elif hasattr(step, "item") and not isinstance(step, int):
+            step = step.item()
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step must be an int or None, got {type(step).__name__}: {step!r}")
+        row["step"] = step
+        for key in row:
+            if key not in self._columns:
+                self._columns.append(key)
+        self._rows.append(row)
+        self._rows_logged += 1
+        if len(self._rows) >= self._flush_every:
+            self.save()
+
+    def log_hyperparams(self, params: Mapping[str, Any] | argparse.Namespace) -> None:
+        """Merge ``params`` into ``hparams.yaml`` next to ``metrics.csv`` and write it at once.
+
+        Usage: ``logger.log_hyperparams({"lr": 1e-3, "batch_size": 32})``
+        """
+        import yaml  # lazily: importing fabriclite.loggers must stay cheap
+
+        self._hparams.update(_params_dict(params))
+        os.makedirs(self.log_dir, exist_ok=True)
+        with open(os.path.join(self.log_dir, "hparams.yaml"), "w") as file:
+            yaml.safe_dump(self._hparams, file, sort_keys=False)
+
+    def save(self) -> None:
+        """Write the buffered rows to ``metrics.csv``.
+
+        Usage: ``logger.save()``
+        """
+        if not self._rows:
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        path = os.path.join(self.log_dir, "metrics.csv")
+        if self._columns_on_disk == self._columns:
+            with open(path, "a", newline="") as file:
+                csv.DictWriter(file, fieldnames=self._columns).writerows(self._rows)
+        else:
+            if self._columns_on_disk is None:
+                old_rows = []
+                if os.path.exists(path):
+                    warnings.warn(
+                        f"{path} exists from an earlier run and is being replaced. Pass version=None to "
+                        "log into a new version_N folder instead.",
+                        stacklevel=2,
+                    )
+            else:
+                with open(path, newline="") as file:
+                    old_rows = list(csv.DictReader(file))
+            # Write the wider file next to the old one and swap, so a crash mid-rewrite keeps the old rows.
+            tmp_path = path + ".tmp"
+            with open(tmp_path, "w", newline="") as file:
+                writer = csv.DictWriter(file, fieldnames=self._columns)
+                writer.writeheader()
+                writer.writerows(old_rows)
+                writer.writerows(self._rows)
+            os.replace(tmp_path, path)
+            self._columns_on_disk = list(self._columns)
+        self._rows.clear()
+
+    def __del__(self) -> None:
+        # A script that never calls finalize() still gets its rows: the logger flushes itself when it is
+        # collected, at the latest when the interpreter exits, without registering anything global.
+        if getattr(self, "_rows", None):
+            self.save()

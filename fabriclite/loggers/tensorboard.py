@@ -1,0 +1,141 @@
+"""A logger writing TensorBoard event files through ``torch.utils.tensorboard.SummaryWriter``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from fabriclite.loggers.base import _flatten, _params_dict, _VersionedLogger
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+_MISSING = (
+    "TensorBoardLogger needs the tensorboard package, which is not installed. "
+    'Install it with `pip install "fabriclite[tensorboard]"` (or `pip install tensorboard`), '
+    "or use fabriclite.loggers.CSVLogger, which needs nothing extra."
+)
+
+
+class TensorBoardLogger(_VersionedLogger):
+    """Log to TensorBoard under ``root_dir/name/version_N[/sub_dir]``, like Lightning Fabric's logger.
+
+    The ``SummaryWriter`` (``experiment``) is created on first use, with ``**kwargs`` passed to it. It
+    writes from a background thread every ``flush_secs`` (120 s by default); call ``finalize()`` (or
+    ``save()``) before the script ends, since events still queued when the interpreter exits are lost.
+
+    Usage::
+
+        logger = TensorBoardLogger("logs", name="mnist")
+        logger.log_hyperparams({"lr": 1e-3})
+        logger.log_metrics({"loss": 0.25}, step=10)
+        logger.finalize("success")
+    """
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        default_hp_metric: bool = True,
+        prefix: str = "",
+        sub_dir: str | os.PathLike | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # find_spec only locates the package: the cost of importing tensorboard is paid on first use,
+        # and only by the rank that logs, yet a missing install fails here, before training starts.
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ModuleNotFoundError(_MISSING)
+        super().__init__(root_dir, name, version, prefix)
+        self._default_hp_metric = default_hp_metric
+        self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
+        self._kwargs = kwargs
+        self._experiment: SummaryWriter | None = None
+
+    @property
+    def sub_dir(self) -> str | None:
+        """The optional folder under the version folder that the events go to."""
+        return self._sub_dir
+
+    @property
+    def log_dir(self) -> str:
+        """The folder the event files go to: ``root_dir/name/version_N[/sub_dir]``."""
+        log_dir = super().log_dir
+        return log_dir if self._sub_dir is None else os.path.join(log_dir, self._sub_dir)
+
+    @property
+    def experiment(self) -> SummaryWriter:
+        """The ``SummaryWriter``, created on first access; use it for images, histograms and the like.
+
+        Usage: ``logger.experiment.add_histogram("weights", model.fc.weight, step)``
+        """
+        if self._experiment is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ModuleNotFoundError as err:
+                raise ModuleNotFoundError(_MISSING) from err
+            self._experiment = SummaryWriter(log_dir=self.log_dir, **self._kwargs)
+        return self._experiment
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Write each metric as a scalar at ``step``.
+
+        Usage: ``logger.log_metrics({"loss": 0.25, "acc": 0.9}, step=100)``
+        """
+        writer = self.experiment
+        for key, value in self._prepare_metrics(metrics).items():
+            writer.add_scalar(key, value, step)
+
+    def log_hyperparams(
+        self, params: Mapping[str, Any] | argparse.Namespace, metrics: Mapping[str, float] | None = None
+    ) -> None:
+        """Record ``params`` for TensorBoard's HPARAMS tab, linked to ``metrics``.
+
+        Without ``metrics`` and with ``default_hp_metric=True``, ``hp_metric=-1`` is logged as a placeholder
+        so the tab shows the run; log ``hp_metric`` yourself later to fill it in.
+
+        Usage: ``logger.log_hyperparams({"lr": 1e-3, "batch_size": 32})``
+        """
+        from torch.utils.tensorboard.summary import hparams
+
+        # The hparams plugin takes flat numbers, bools and strs only: nested dicts become "a/b", the rest str.
+        params = {
+            key: value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+            for key, value in _flatten(_params_dict(params)).items()
+        }
+        if metrics is None:
+            metrics = {"hp_metric": -1} if self._default_hp_metric else {}
+        metrics = self._prepare_metrics(metrics)
+        writer = self.experiment
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, 0)
+        # add_hparams() would write into a new timestamped sub-run; writing the summaries through this
+        # run's own file writer keeps params and curves in one run.
+        for summary in hparams(params, metrics):
+            writer.file_writer.add_summary(summary)
+
+    def save(self) -> None:
+        """Flush pending events to disk.
+
+        Usage: ``logger.save()``
+        """
+        if self._experiment is not None:
+            self._experiment.flush()
+
+    def finalize(self, status: str) -> None:
+        """Flush and close the event file; a later log call opens a new one.
+
+        Usage: ``logger.finalize("success")``
+        """
+        if self._experiment is not None:
+            self._experiment.close()
+            self._experiment = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The writer holds a thread and an open file, which cannot be pickled (e.g. to spawned processes).
+        state = self.__dict__.copy()
+        state["_experiment"] = None
+        return state

@@ -1,0 +1,156 @@
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fabriclite.loggers import TensorBoardLogger
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+
+def read_events(folder):
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return accumulator
+
+
+def test_event_file_is_written_under_root_dir_name_version_and_scalars_read_back(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="exp")
+    logger.log_metrics({"loss": 0.5, "acc": torch.tensor(0.75)}, step=3)
+    logger.log_metrics({"loss": 0.25}, step=4)
+    logger.finalize("success")
+    assert logger.log_dir == str(tmp_path / "exp" / "version_0")
+    events = read_events(logger.log_dir)
+    assert [(event.step, event.value) for event in events.Scalars("loss")] == [(3, 0.5), (4, 0.25)]
+    assert [(event.step, event.value) for event in events.Scalars("acc")] == [(3, 0.75)]
+
+
+def test_version_auto_increments_past_existing_version_folders(tmp_path):
+    (tmp_path / "lightning_logs" / "version_0").mkdir(parents=True)
+    (tmp_path / "lightning_logs" / "version_1").mkdir()
+    logger = TensorBoardLogger(tmp_path)
+    assert logger.version == 2
+    assert logger.root_dir == str(tmp_path / "lightning_logs")
+
+
+def test_sub_dir_is_appended_to_the_version_folder(tmp_path):
+    logger = TensorBoardLogger(tmp_path, version="run", sub_dir="train")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert logger.log_dir == str(tmp_path / "lightning_logs" / "run" / "train")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(logger.log_dir))
+
+
+def test_writer_is_created_on_first_use_not_at_construction(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    assert not (tmp_path / "lightning_logs").exists()
+    assert logger.experiment is logger.experiment
+    assert type(logger.experiment).__name__ == "SummaryWriter"
+    assert logger.experiment.log_dir == logger.log_dir
+    logger.finalize("success")
+
+
+def test_extra_kwargs_are_passed_to_the_summary_writer(tmp_path):
+    logger = TensorBoardLogger(tmp_path, filename_suffix=".mine")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert any(name.endswith(".mine") for name in os.listdir(logger.log_dir))
+
+
+def test_prefix_is_joined_to_metric_names_with_a_dash(tmp_path):
+    logger = TensorBoardLogger(tmp_path, prefix="train")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert read_events(logger.log_dir).Tags()["scalars"] == ["train-loss"]
+
+
+def read_hparams(events):
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    return {
+        key: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind")) for key, value in hparams.items()
+    }
+
+
+def test_hyperparams_are_flattened_into_the_runs_own_event_file(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_hyperparams({"lr": 0.1, "optim": {"name": "adam"}, "layers": [1, 2], "flag": True})
+    logger.finalize("success")
+    assert os.listdir(logger.log_dir)[0].startswith("events.out.tfevents")
+    assert len(os.listdir(logger.log_dir)) == 1
+    hparams = read_hparams(read_events(logger.log_dir))
+    assert hparams == {"lr": 0.1, "optim/name": "adam", "layers": "[1, 2]", "flag": True}
+
+
+def test_hyperparams_without_metrics_log_the_default_hp_metric(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.finalize("success")
+    events = read_events(logger.log_dir)
+    assert [(event.step, event.value) for event in events.Scalars("hp_metric")] == [(0, -1.0)]
+
+
+def test_hyperparams_with_default_hp_metric_off_log_no_scalar(tmp_path):
+    logger = TensorBoardLogger(tmp_path, default_hp_metric=False)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.finalize("success")
+    assert read_events(logger.log_dir).Tags()["scalars"] == []
+
+
+def test_hyperparams_with_metrics_log_those_metrics_at_step_zero(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_hyperparams({"lr": 0.1}, metrics={"val_acc": 0.5})
+    logger.finalize("success")
+    events = read_events(logger.log_dir)
+    assert events.Tags()["scalars"] == ["val_acc"]
+    assert [(event.step, event.value) for event in events.Scalars("val_acc")] == [(0, 0.5)]
+
+
+def test_logging_after_finalize_opens_a_new_writer(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    logger.log_metrics({"loss": 2.0}, step=1)
+    logger.finalize("success")
+    # Two event files whose names TensorBoard may sort either way: compare the points, not their order.
+    points = sorted((event.step, event.value) for event in read_events(logger.log_dir).Scalars("loss"))
+    assert points == [(0, 1.0), (1, 2.0)]
+
+
+def test_logger_pickles_without_its_writer(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_metrics({"loss": 1.0}, step=0)
+    clone = pickle.loads(pickle.dumps(logger))
+    assert clone._experiment is None
+    assert clone.log_dir == logger.log_dir
+    logger.finalize("success")
+
+
+def test_metrics_that_are_not_a_mapping_are_rejected(tmp_path):
+    with pytest.raises(TypeError, match="metrics must be a mapping.*float"):
+        TensorBoardLogger(tmp_path).log_metrics(0.5)
+
+
+def test_missing_tensorboard_raises_at_construction_with_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ModuleNotFoundError, match=r'pip install "fabriclite\[tensorboard\]"'):
+        TensorBoardLogger(tmp_path)
+
+
+def test_importing_fabriclite_loggers_imports_neither_tensorboard_nor_yaml():
+    code = (
+        "import sys, fabriclite.loggers; "
+        "print(sorted(m for m in ('tensorboard', 'torch.utils.tensorboard', 'yaml') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,123 @@
+"""The wrapped loader's position: saved mid-epoch, restored in a fresh loader, continuing with the next batch."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
+
+from fabriclite import Fabric
+
+
+def make_loader(**kwargs):
+    data = TensorDataset(torch.arange(40).float().unsqueeze(1))
+    return DataLoader(data, batch_size=4, **kwargs)
+
+
+def ids(batches):
+    return [(batch[0] if isinstance(batch, list) else batch).flatten().long().tolist() for batch in batches]
+
+
+def consume(loader, n):
+    """Take n batches of the current epoch and keep the iterator open, as a loop body that saves would."""
+    it = iter(loader)
+    taken = [next(it) for _ in range(n)]
+    return it, taken
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"shuffle": True},
+        {"shuffle": True, "num_workers": 2},
+        {"shuffle": True, "generator": torch.Generator().manual_seed(1)},
+        {"sampler": RandomSampler(range(40), generator=torch.Generator().manual_seed(2))},
+        {"shuffle": False},
+    ],
+)
+def test_a_fresh_loader_restored_mid_epoch_continues_with_the_next_batch(kwargs):
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu")
+    loader = fabric.setup_dataloaders(make_loader(**kwargs))
+    list(loader)  # one full epoch first, so the position is not just "epoch 0"
+    it, _ = consume(loader, 3)
+    state = loader.state_dict()
+    rng = torch.get_rng_state()
+    expected = ids(it) + ids(loader)  # rest of this epoch, then the whole next one
+
+    torch.manual_seed(123)  # a different process would have a different random state...
+    fresh = Fabric(accelerator="cpu").setup_dataloaders(make_loader(**kwargs))
+    fresh.load_state_dict(state)
+    torch.set_rng_state(rng)  # ...until fabric.load restores the checkpoint's streams
+    assert ids(fresh) + ids(fresh) == expected
+
+
+def test_restoring_does_not_disturb_the_global_random_state():
+    torch.manual_seed(0)
+    loader = Fabric(accelerator="cpu").setup_dataloaders(make_loader(shuffle=True))
+    it, _ = consume(loader, 2)
+    state = loader.state_dict()
+    assert state["in_epoch"]
+    fresh = Fabric(accelerator="cpu").setup_dataloaders(make_loader(shuffle=True))
+    fresh.load_state_dict(state)
+    before = torch.get_rng_state()
+    next(iter(fresh))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_checkpoint_taken_after_a_finished_epoch_starts_a_new_epoch():
+    loader = Fabric(accelerator="cpu").setup_dataloaders(make_loader(shuffle=True))
+    list(loader)
+    state = loader.state_dict()
+    assert state["in_epoch"] is False and state["epochs_started"] == 1
+    fresh = Fabric(accelerator="cpu").setup_dataloaders(make_loader(shuffle=True))
+    fresh.load_state_dict(state)
+    assert len(list(fresh)) == 10
+
+
+def test_a_checkpoint_taken_on_the_last_batch_yields_nothing_more_that_epoch():
+    loader = Fabric(accelerator="cpu").setup_dataloaders(make_loader(shuffle=True))
+    it, _ = consume(loader, 10)
+    state = loader.state_dict()
+    assert state["in_epoch"] is True and state["yielded"] == 10
+    fresh = Fabric(accelerator="cpu").setup_dataloaders(make_loader(shuffle=True))
+    fresh.load_state_dict(state)
+    assert list(fresh) == []
+    assert len(list(fresh)) == 10
+
+
+def test_leaving_the_loop_early_ends_the_epoch():
+    loader = Fabric(accelerator="cpu").setup_dataloaders(make_loader(shuffle=True))
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    state = loader.state_dict()
+    assert state["in_epoch"] is False
+    assert len(list(loader)) == 10
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(20).float().unsqueeze(1).split(1))
+
+
+def test_an_iterable_dataset_resumes_by_skipping_the_used_batches():
+    loader = Fabric(accelerator="cpu").setup_dataloaders(DataLoader(Stream(), batch_size=4))
+    it, _ = consume(loader, 2)
+    state = loader.state_dict()
+    expected = ids(it)
+    fresh = Fabric(accelerator="cpu").setup_dataloaders(DataLoader(Stream(), batch_size=4))
+    fresh.load_state_dict(state)
+    assert ids(fresh) == expected == [[8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
+
+
+def test_batches_of_dicts_and_tuples_come_through_unchanged():
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return {"x": torch.tensor([float(i)]), "meta": (i, "name")}
+
+    loader = Fabric(accelerator="cpu").setup_dataloaders(DataLoader(Pairs(), batch_size=3))
+    first = next(iter(loader))
+    assert first["x"].flatten().tolist() == [0.0, 1.0, 2.0]
+    assert list(first["meta"][1]) == ["name"] * 3
