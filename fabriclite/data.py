@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from fabriclite._collections import move_to_device
+from fabriclite._padding import set_padding
 from fabriclite.checkpoint import capture_rng_state, restore_rng_state
 
 
@@ -47,6 +48,18 @@ def _restore_loader_rng(loader: DataLoader, state: dict[str, Any]) -> None:
     for where, value in state["generators"].items():
         if where in generators:
             generators[where].set_state(value)
+
+
+def _batch_rows(batch: Any) -> int | None:
+    """The number of rows of a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        rows = _batch_rows(item)
+        if rows is not None:
+            return rows
+    return None
 
 
 class _SkipFirst:
@@ -129,14 +142,18 @@ class _FabricDataLoader:
             batches = self._resumed_iterator(skip, rng)
         else:
             self._epochs_started += 1
+            self._set_sampler_epoch()
             self._epoch_rng = _capture_loader_rng(self._loader)
             batches = iter(self._loader)
             skip = 0
         self._yielded = skip
         self._in_epoch = True
         device = self._device
+        padded = self._padding_source()
         try:
             for batch in batches:
+                if padded is not None:
+                    self._mark_padding(padded, batch)
                 # Counted before the body of the user's loop runs, so a save inside it records this batch as used.
                 self._yielded += 1
                 yield batch if device is None else move_to_device(batch, device)
@@ -144,11 +161,35 @@ class _FabricDataLoader:
         except GeneratorExit:  # the user left the loop early: the next iteration is a new epoch, as in the raw loop
             self._in_epoch = False
             raise
+        finally:
+            if padded is not None:
+                set_padding(None)
+
+    def _padding_source(self) -> Any:
+        """The distributed sampler when this rank's shard has repeated samples, else None (nothing to mark)."""
+        sampler = getattr(self._loader, "sampler", None)
+        if not callable(getattr(sampler, "padding_mask", None)) or sampler.total_size == sampler.real_size:
+            return None
+        return sampler
+
+    def _mark_padding(self, sampler: Any, batch: Any) -> None:
+        # Tell metrics which rows of this batch repeat samples that another rank also sees (fabriclite._padding).
+        batch_size = self._loader.batch_size or 1
+        rows = _batch_rows(batch)
+        if rows is not None:
+            set_padding(sampler.padding_mask(self._yielded * batch_size, rows))
+
+    def _set_sampler_epoch(self) -> None:
+        # A DistributedSampler shuffles by epoch number; Lightning leaves this call to the user, we don't.
+        sampler = getattr(self._loader, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(self._epochs_started - 1)
 
     def _resumed_iterator(self, skip: int, epoch_rng: dict[str, Any]) -> Iterator[Any]:
         """Rebuild the interrupted epoch: replay the random state it started from, skip the used batches by index
         (without loading them), then give the global random state back as the checkpoint left it."""
         now = capture_rng_state()
+        self._set_sampler_epoch()
         _restore_loader_rng(self._loader, epoch_rng)
         self._epoch_rng = epoch_rng
         try:

@@ -6,6 +6,7 @@ a strategy and a precision (``choices``), and delegates; the per-step calls (for
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -65,6 +66,7 @@ class Fabric:
         plugins: Any = None,
         callbacks: Any = None,
         loggers: Any = None,
+        kernels: bool = False,
     ) -> None:
         accelerator_name = choices.parse_accelerator(accelerator)
         strategy_choice = choices.parse_strategy(strategy)
@@ -79,12 +81,27 @@ class Fabric:
                 )
             user_precision = plugin
 
+        self._init_kwargs = {
+            "accelerator": accelerator,
+            "strategy": strategy,
+            "devices": devices,
+            "num_nodes": num_nodes,
+            "precision": precision,
+            "plugins": plugins,
+            "callbacks": callbacks,
+            "loggers": loggers,
+            "kernels": kernels,
+        }
         self._accelerator: Accelerator = select_accelerator(accelerator_name, parsed_devices)
         self._strategy: Strategy = select_strategy(strategy_choice, self._accelerator, nodes)
-        self._strategy.accelerator = self._accelerator
-        self._strategy.setup_environment()
+        if hasattr(self._strategy, "configure"):  # multi-process: the process group is joined in launch()
+            self._strategy.configure(self._accelerator, nodes)
+        else:
+            self._strategy.accelerator = self._accelerator
+            self._strategy.setup_environment()
         self._precision: Precision = user_precision or select_precision(precision_name, self._strategy.root_device)
         self._strategy.precision = self._precision
+        self._kernels = bool(kernels) and self._kernels_usable()
         self._callbacks = _as_list(callbacks)
         self._loggers = _as_list(loggers)
         self._launched = False
@@ -92,6 +109,19 @@ class Fabric:
         self._optimizers_setup = 0
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
         self._backward_ready = self._precision.scaler is None
+
+    def _kernels_usable(self) -> bool:
+        from fabriclite.kernels import kernels_available  # cheap: does not import triton
+
+        if kernels_available(self.device):
+            return True
+        warnings.warn(
+            f"Fabric(kernels=True): fabriclite's Triton kernels need a CUDA device and triton; on {self.device} the "
+            "models keep torch's LayerNorm/RMSNorm. The script runs unchanged.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -144,6 +174,20 @@ class Fabric:
         """
         if function is not None and not callable(function):
             raise TypeError(f"fabric.launch(function) expects a callable taking the Fabric first, got {function!r}.")
+        launcher = self._strategy.launcher
+        if launcher is not None and self._launched:
+            raise RuntimeError("fabric.launch() was already called; it starts the processes, so call it once per Fabric.")
+        if launcher is not None:
+            from fabriclite.launcher import LAUNCHER_ENV, SpawnLauncher
+
+            if isinstance(launcher, SpawnLauncher) and os.environ.get(LAUNCHER_ENV) != "spawn":
+                if function is None:
+                    raise ValueError(
+                        "strategy='ddp_spawn' runs a function in new processes: call fabric.launch(function)."
+                    )
+                return launcher.run(self._init_kwargs, function, args, kwargs)
+            launcher.start()
+            self._strategy.setup_environment()
         self._launched = True
         if function is None:
             return None
@@ -174,6 +218,7 @@ class Fabric:
 
         Usage: ``model = fabric.setup_module(model)``.
         """
+        self._check_launched("setup")
         if isinstance(module, _FabricModule):
             raise ValueError("This model was already set up by fabric.setup; pass each model to setup only once.")
         if not isinstance(module, torch.nn.Module):
@@ -182,6 +227,10 @@ class Fabric:
             raise ValueError(
                 f"{type(module).__name__} was already set up by this Fabric; use the module setup returned."
             )
+        if self._kernels:  # before DDP/FSDP wrap anything, so they shard the fused modules
+            from fabriclite.kernels import swap_modules
+
+            swap_modules(module)
         module = self._precision.convert_module(module)
         if move_to_device:
             self._strategy.module_to_device(module)
@@ -218,6 +267,7 @@ class Fabric:
 
         Usage: ``train_loader, val_loader = fabric.setup_dataloaders(train_loader, val_loader)``.
         """
+        self._check_launched("setup_dataloaders")
         if not dataloaders:
             raise ValueError("fabric.setup_dataloaders needs at least one DataLoader.")
         wrapped = []
@@ -383,8 +433,10 @@ class Fabric:
             if filter and key in filter:
                 value = {name: v for name, v in value.items() if filter[key](name, v)}
             checkpoint[key] = value
-        checkpoint[_META_KEY] = {"rng": capture_rng_state(), "precision": self._precision.state_dict()}
         self._check_launched("save")
+        # Each rank's random streams, so every rank resumes drawing exactly what it would have drawn.
+        rng_per_rank = self._strategy.all_gather_object(capture_rng_state())
+        checkpoint[_META_KEY] = {"rng_per_rank": rng_per_rank, "precision": self._precision.state_dict()}
         if self.is_global_zero:
             atomic_save(checkpoint, path)
         self._strategy.barrier("save")
@@ -431,7 +483,11 @@ class Fabric:
                 state[key] = value
         if meta is not None:
             self._precision.load_state_dict(meta.get("precision", {}))
-            restore_rng_state(meta["rng"])
+            rng_per_rank = meta["rng_per_rank"]
+            # Loaded into a different world size, ranks without their own streams take rank 0's.
+            restore_rng_state(
+                rng_per_rank[self.global_rank] if self.global_rank < len(rng_per_rank) else rng_per_rank[0]
+            )
         self._strategy.barrier("load")
         return checkpoint
 

@@ -96,6 +96,10 @@ class Strategy:
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: str = "mean") -> torch.Tensor:
         return tensor
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order."""
+        return [obj]
+
     def teardown(self) -> None:
         pass
 
@@ -141,7 +145,11 @@ def select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> 
             f"strategy='single_device' runs one process, but devices * num_nodes = {processes}. "
             "Use devices=1, or a distributed strategy."
         )
+    if strategy in ("auto", "ddp", "ddp_spawn"):
+        from fabriclite.ddp import DDPStrategy
+
+        return DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "subprocess")
     raise NotImplementedError(
-        f"strategy={strategy!r} with {processes} process(es) needs distributed training, which is not available yet "
-        "in this version of fabriclite. Use devices=1 with strategy='auto' or 'single_device'."
+        f"strategy={strategy!r} is not available yet in this version of fabriclite. "
+        "Use strategy='ddp' for several processes, or 'auto'/'single_device' for one."
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +23,28 @@ def python_env(**extra: str) -> dict[str, str]:
 
 
 def run_python(*args: str, timeout: float = 120, check: bool = True, **env: str) -> subprocess.CompletedProcess:
-    """Run ``python *args`` to completion and return the result (stdout and stderr as text)."""
-    result = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=python_env(**env)
+    """Run ``python *args`` to completion and return the result (stdout and stderr as text).
+
+    The child gets its own process group, and on timeout the whole group is killed, so processes it started
+    (DDP ranks, torchrun workers) never outlive the test.
+    """
+    child = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=python_env(**env),
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        stdout, stderr = child.communicate()
+        raise AssertionError(
+            f"python {' '.join(args)} ran past {timeout} s and was killed\n{stdout}\n{stderr}"
+        ) from None
+    result = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"python {' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result

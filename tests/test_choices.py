@@ -65,15 +65,21 @@ def test_strings_are_case_insensitive():
     assert fabric.world_size == 1
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "DDP_spawn", "FSDP"])
-def test_distributed_strategy_names_parse_but_say_not_available_yet(strategy):
+def test_fsdp_parses_but_says_not_available_yet():
     with pytest.raises(NotImplementedError, match="not available yet"):
-        Fabric(accelerator="cpu", strategy=strategy, devices=2)
+        Fabric(accelerator="cpu", strategy="FSDP", devices=2)
 
 
-def test_more_than_one_cpu_process_says_distributed_is_not_available_yet():
-    with pytest.raises(NotImplementedError, match="not available yet"):
-        Fabric(accelerator="cpu", devices=2)
+@pytest.mark.parametrize(
+    ("strategy", "start_method"), [("DDP", "subprocess"), ("ddp_spawn", "spawn"), ("auto", "subprocess")]
+)
+def test_ddp_names_select_ddp_with_their_start_method(strategy, start_method):
+    from fabriclite.ddp import DDPStrategy
+
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)
+    assert isinstance(fabric.strategy, DDPStrategy)
+    assert fabric.strategy.start_method == start_method
+    assert fabric.world_size == 2 and fabric.global_rank == 0
 
 
 def test_single_device_with_two_devices_is_refused():

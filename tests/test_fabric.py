@@ -139,3 +139,22 @@ def test_importing_fabriclite_keeps_heavy_and_optional_modules_out():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_kernels_on_a_device_without_triton_leave_the_model_unchanged_and_say_so(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.warns(UserWarning, match="kernels=True"):
+        fabric = Fabric(accelerator="cpu", kernels=True)
+    model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
+    assert type(model.module[1]) is torch.nn.LayerNorm
+
+
+def test_kernels_swap_layer_norms_when_triton_can_run(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fabric = Fabric(accelerator="cpu", kernels=True)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    keys = list(net.state_dict())
+    model = fabric.setup(net)
+    assert type(model.module[1]) is not torch.nn.LayerNorm
+    assert list(model.state_dict()) == keys

@@ -28,17 +28,30 @@ def run_until_step(args, step, timeout=120):
     return lines
 
 
-@pytest.mark.parametrize(("precision", "workers"), [("32-true", 0), ("bf16-mixed", 2), ("16-mixed", 0)])
-def test_killed_twice_and_resumed_ends_bit_identical_to_an_uninterrupted_run(tmp_path, precision, workers):
-    common = ["--precision", precision, "--num-workers", str(workers)]
+# (precision, loader workers, processes, [(kill at step, expected resume line)]). One process sees 13 batches
+# per epoch, two see 7 each; every kill lands after a checkpoint taken inside an epoch.
+CASES = [
+    ("32-true", 0, 1, [(10, "resumed at step 8 epoch 0"), (23, "resumed at step 20 epoch 1")]),
+    ("bf16-mixed", 2, 1, [(10, "resumed at step 8 epoch 0"), (23, "resumed at step 20 epoch 1")]),
+    ("16-mixed", 0, 1, [(10, "resumed at step 8 epoch 0"), (23, "resumed at step 20 epoch 1")]),
+    ("32-true", 0, 2, [(10, "resumed at step 8 epoch 1"), (18, "resumed at step 16 epoch 2")]),
+]
+
+
+@pytest.mark.parametrize(("precision", "workers", "devices", "kills"), CASES)
+def test_killed_twice_and_resumed_ends_bit_identical_to_an_uninterrupted_run(
+    tmp_path, precision, workers, devices, kills
+):
+    common = ["--precision", precision, "--num-workers", str(workers), "--devices", str(devices)]
     run_python(SCRIPT, "--ckpt", str(tmp_path / "ref.ckpt"), "--out", str(tmp_path / "ref.pt"), *common, timeout=180)
 
     args = ["--ckpt", str(tmp_path / "run.ckpt"), "--out", str(tmp_path / "run.pt"), "--sleep", "0.05", *common]
-    run_until_step(args, 10)  # checkpoint at step 8, inside the first epoch (13 batches)
-    second = run_until_step(args, 23)  # resumes at 8; checkpoint at 20, inside the second epoch
-    assert [line for line in second if line.startswith("resumed")] == ["resumed at step 8 epoch 0"]
+    (first_kill, _), (second_kill, first_resume) = kills[0], kills[1]
+    run_until_step(args, first_kill)
+    second = run_until_step(args, second_kill)
+    assert [line for line in second if line.startswith("resumed")] == [kills[0][1]]
     third = run_python(SCRIPT, *args, timeout=180).stdout.splitlines()
-    assert [line for line in third if line.startswith("resumed")] == ["resumed at step 20 epoch 1"]
+    assert [line for line in third if line.startswith("resumed")] == [first_resume]
     assert third[-1] == "done"
 
     reference, resumed = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")

@@ -24,6 +24,7 @@ parser.add_argument("--num-workers", type=int, default=0)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--save-every", type=int, default=4)
 parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--devices", type=int, default=1)
 args = parser.parse_args()
 
 seed_everything(3, verbose=False)
@@ -33,14 +34,14 @@ scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=50)
 data = TensorDataset(torch.randn(100, 6), torch.randint(0, 3, (100,)))
 loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=args.num_workers)
 
-fabric = Fabric(accelerator="cpu", precision=args.precision)
+fabric = Fabric(accelerator="cpu", precision=args.precision, devices=args.devices)
 fabric.launch()
 model, optimizer = fabric.setup(model, optimizer)
 loader = fabric.setup_dataloaders(loader)
 state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "epoch": 0, "step": 0}
 if os.path.exists(args.ckpt):
     fabric.load(args.ckpt, state)
-    print(f"resumed at step {state['step']} epoch {state['epoch']}", flush=True)
+    fabric.print(f"resumed at step {state['step']} epoch {state['epoch']}", flush=True)
 
 for epoch in range(state["epoch"], args.epochs):
     state["epoch"] = epoch
@@ -55,8 +56,9 @@ for epoch in range(state["epoch"], args.epochs):
         state["step"] += 1
         if state["step"] % args.save_every == 0:
             fabric.save(args.ckpt, state)
-        print(f"step {state['step']}", flush=True)
+        fabric.print(f"step {state['step']}", flush=True)
         time.sleep(args.sleep)
 
-torch.save(model.state_dict(), args.out)
-print("done", flush=True)
+if fabric.is_global_zero:
+    torch.save(model.state_dict(), args.out)
+fabric.print("done", flush=True)

@@ -1,0 +1,364 @@
+"""Speed and memory of fabriclite's Triton kernels next to torch eager, ``torch.compile`` of the same function, and
+Liger-Kernel where it has the op and is installed, on one CUDA GPU, in bf16.
+
+For every op and size it measures the forward, the backward alone (``retain_graph=True`` on one forward) and both
+together: the median time from ``triton.testing.do_bench`` and the peak memory allocated beyond what existed
+before (``torch.cuda.max_memory_allocated``; for the forward that includes the outputs and what autograd saves,
+for the backward the gradients and temporaries). Throughput is the bytes any implementation must move (each input
+read once, each output written once: for cross-entropy the forward reads the logits and the backward writes their
+gradient) over the time, next to the copy bandwidth of the device measured with ``x.clone()``. Fused kernels that
+move more than that minimum (cross-entropy's forward also writes the gradient) show it as lower throughput.
+
+Results go to a CSV (one row per op, size, mode and implementation) and a markdown table on stdout.
+
+Usage: ``python benchmarks/kernels.py [--ops layer_norm cross_entropy] [--quick] [--csv kernels.csv]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from _machine import describe
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+NORM_WIDTHS = (768, 1024)
+ROWS = (4096, 8192, 16384, 32768)
+QUICK_ROWS = (4096, 32768)
+CROSS_ENTROPY_SHAPES = ((8192, 50257), (8192, 128256))
+MODES = ("forward", "backward", "both")
+IMPLEMENTATIONS = ("fabriclite", "torch", "torch.compile", "liger")
+
+Inputs = dict[str, torch.Tensor]
+
+
+@dataclass
+class Case:
+    """One op at one size: how to make its inputs, its implementations, and the minimum bytes per mode."""
+
+    op: str
+    shape: str
+    make_inputs: Callable[[], Inputs]
+    implementations: dict[str, Callable[..., Any]]  # name -> fn(**inputs) returning a tensor or a tuple
+    min_bytes: dict[str, int]  # mode -> bytes an ideal implementation reads and writes
+    extra_leaves: tuple[torch.Tensor, ...] = ()  # parameters a module (Liger's) brings along
+
+
+# ---------------------------------------------------------------------- the cases
+def _liger(name: str, *args: Any, **kwargs: Any) -> torch.nn.Module | None:
+    """Liger-Kernel's module ``liger_kernel.transformers.<name>`` on the GPU in bf16, or None when not installed
+    (or when this version's constructor differs: the comparison is optional)."""
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError:
+        return None
+    try:
+        return getattr(liger, name)(*args, **kwargs).to(DEVICE, DTYPE)
+    except Exception as error:  # noqa: BLE001 - an API change in an optional peer must not stop the run
+        print(f"(skipping Liger {name}: {error})", file=sys.stderr)
+        return None
+
+
+def _compiled(eager: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile of ``eager`` for static shapes. main() resets dynamo before each case, so the recompile limit
+    (8 per code object; every size is a recompile) never silently sends a later size back to eager."""
+    return torch.compile(eager, dynamic=False)
+
+
+def _leaf(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
+
+
+def norm_cases(rows_list: tuple[int, ...]) -> list[Case]:
+    from fabriclite import kernels
+
+    cases = []
+    for width in NORM_WIDTHS:
+        for rows in rows_list:
+            shape, elements = f"{rows}x{width}", rows * width
+            io = {"forward": 4 * elements, "backward": 6 * elements, "both": 10 * elements}  # bf16: 2 bytes
+
+            def layer_norm_eager(x, weight, bias, _n=width):
+                return F.layer_norm(x, (_n,), weight, bias)
+
+            liger_ln = _liger("LigerLayerNorm", width, eps=1e-5)
+            cases.append(
+                Case(
+                    "layer_norm",
+                    shape,
+                    lambda r=rows, n=width: {"x": _leaf(r, n), "weight": _leaf(n), "bias": _leaf(n)},
+                    {
+                        "fabriclite": lambda x, weight, bias, _n=width: kernels.layer_norm(x, (_n,), weight, bias),
+                        "torch": layer_norm_eager,
+                        "torch.compile": _compiled(layer_norm_eager),
+                        **({"liger": lambda x, weight, bias, _m=liger_ln: _m(x)} if liger_ln is not None else {}),
+                    },
+                    io,
+                    tuple(liger_ln.parameters()) if liger_ln is not None else (),
+                )
+            )
+
+            def add_layer_norm_eager(x, residual, weight, bias, _n=width):
+                hidden = x + residual
+                return F.layer_norm(hidden, (_n,), weight, bias), hidden
+
+            cases.append(
+                Case(
+                    "add_layer_norm",
+                    shape,
+                    lambda r=rows, n=width: {
+                        "x": _leaf(r, n),
+                        "residual": _leaf(r, n),
+                        "weight": _leaf(n),
+                        "bias": _leaf(n),
+                    },
+                    {
+                        "fabriclite": lambda x, residual, weight, bias: kernels.add_layer_norm(
+                            x, residual, weight, bias
+                        ),
+                        "torch": add_layer_norm_eager,
+                        "torch.compile": _compiled(add_layer_norm_eager),
+                    },
+                    # forward: x, residual in; normalized, sum out. backward: dy, dsum, sum in; one gradient out.
+                    {"forward": 8 * elements, "backward": 8 * elements, "both": 16 * elements},
+                )
+            )
+
+            def rms_norm_eager(x, weight, _n=width):
+                return F.rms_norm(x, (_n,), weight, 1e-6)
+
+            liger_rms = _liger("LigerRMSNorm", width, eps=1e-6)
+            cases.append(
+                Case(
+                    "rms_norm",
+                    shape,
+                    lambda r=rows, n=width: {"x": _leaf(r, n), "weight": _leaf(n)},
+                    {
+                        "fabriclite": lambda x, weight: kernels.rms_norm(x, weight, 1e-6),
+                        "torch": rms_norm_eager,
+                        "torch.compile": _compiled(rms_norm_eager),
+                        **({"liger": lambda x, weight, _m=liger_rms: _m(x)} if liger_rms is not None else {}),
+                    },
+                    io,
+                    tuple(liger_rms.parameters()) if liger_rms is not None else (),
+                )
+            )
+
+            # bias + GELU sits on the MLP's hidden layer, four times the model width.
+            hidden_width, hidden_elements = 4 * width, 4 * elements
+
+            def bias_gelu_eager(x, bias):
+                return F.gelu(x + bias, approximate="tanh")
+
+            cases.append(
+                Case(
+                    "bias_gelu",
+                    f"{rows}x{hidden_width}",
+                    lambda r=rows, n=hidden_width: {"x": _leaf(r, n), "bias": _leaf(n)},
+                    {
+                        "fabriclite": lambda x, bias: kernels.bias_gelu(x, bias, "tanh"),
+                        "torch": bias_gelu_eager,
+                        "torch.compile": _compiled(bias_gelu_eager),
+                    },
+                    {"forward": 4 * hidden_elements, "backward": 6 * hidden_elements, "both": 10 * hidden_elements},
+                )
+            )
+    return cases
+
+
+def cross_entropy_cases() -> list[Case]:
+    from fabriclite import kernels
+
+    def make(rows: int, classes: int) -> Inputs:
+        target = torch.randint(0, classes, (rows,), device=DEVICE)
+        target[torch.rand(rows, device=DEVICE) < 0.1] = -100  # some padding, as in language modeling
+        return {"logits": _leaf(rows, classes), "target": target}
+
+    def eager(logits, target):
+        return F.cross_entropy(logits, target)
+
+    cases = []
+    for rows, classes in CROSS_ENTROPY_SHAPES:
+        elements = rows * classes
+        liger_ce = _liger("LigerCrossEntropyLoss")
+        cases.append(
+            Case(
+                "cross_entropy",
+                f"{rows}x{classes}",
+                lambda r=rows, c=classes: make(r, c),
+                {
+                    "fabriclite": kernels.cross_entropy,
+                    "torch": eager,
+                    "torch.compile": _compiled(eager),
+                    **(
+                        {"liger": lambda logits, target, _m=liger_ce: _m(logits, target)}
+                        if liger_ce is not None
+                        else {}
+                    ),
+                },
+                {"forward": 2 * elements, "backward": 2 * elements, "both": 4 * elements},
+            )
+        )
+    return cases
+
+
+# ---------------------------------------------------------------------- measuring
+def _outputs(result: Any) -> list[torch.Tensor]:
+    return [result] if isinstance(result, torch.Tensor) else [t for t in result if isinstance(t, torch.Tensor)]
+
+
+def _peak_mib(thunk: Callable[[], Any]) -> float:
+    """MiB allocated at the peak of ``thunk()`` beyond what was allocated before it (results kept until measured)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = thunk()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return peak / 2**20
+
+
+def measure(case: Case, name: str, fn: Callable[..., Any], mode: str) -> tuple[float, float]:
+    """(median milliseconds, peak MiB) of one implementation in one mode."""
+    from triton.testing import do_bench
+
+    inputs = case.make_inputs()
+    leaves = [t for t in inputs.values() if t.requires_grad] + list(case.extra_leaves)
+
+    def forward() -> list[torch.Tensor]:
+        return _outputs(fn(**inputs))
+
+    outputs = forward()
+    # A loss gets the 1.0 of loss.backward() (Liger skips its scaling then); other outputs a random gradient.
+    grads = [torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out) for out in outputs]
+
+    def backward() -> None:
+        torch.autograd.backward(outputs, grads, retain_graph=True)
+
+    def both() -> None:
+        torch.autograd.backward(forward(), grads)
+
+    thunk = {"forward": forward, "backward": backward, "both": both}[mode]
+    thunk()  # compiles (torch.compile, Triton) outside the timing
+    for leaf in leaves:
+        leaf.grad = None
+    if mode != "backward":
+        del outputs  # the timed forward makes its own graph; keep the memory baseline clean
+    peak = _peak_mib(thunk)
+    milliseconds = do_bench(thunk, grad_to_none=leaves, return_mode="median")
+    return milliseconds, peak
+
+
+def copy_bandwidth_gbps() -> float:
+    """GB/s of ``x.clone()`` on 512 MiB: one read and one write, the ceiling for a memory-bound kernel."""
+    from triton.testing import do_bench
+
+    x = torch.empty(2**28, dtype=DTYPE, device=DEVICE)
+    milliseconds = do_bench(lambda: x.clone(), return_mode="median")
+    return 2 * x.numel() * x.element_size() / milliseconds / 1e6
+
+
+# ---------------------------------------------------------------------- reporting
+def markdown(rows: list[dict[str, Any]], header: list[str]) -> str:
+    """One table row per op, size and mode; a cell per implementation: time, throughput, peak memory."""
+    lines = [
+        *header,
+        "",
+        "| op | shape | mode | " + " | ".join(IMPLEMENTATIONS) + " |",
+        "|---|---|---|" + "---|" * len(IMPLEMENTATIONS),
+    ]
+    cells: dict[tuple[str, str, str], dict[str, str]] = {}
+    for row in rows:
+        key = (row["op"], row["shape"], row["mode"])
+        if row["error"]:
+            text = "failed"
+        else:
+            text = f"{row['ms']:.3f} ms, {row['gbps']:.0f} GB/s, {row['peak_mib']:.0f} MiB"
+        cells.setdefault(key, {})[row["implementation"]] = text
+    for (op, shape, mode), by_name in cells.items():
+        lines.append(
+            f"| {op} | {shape} | {mode} | " + " | ".join(by_name.get(name, "-") for name in IMPLEMENTATIONS) + " |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        choices=("layer_norm", "add_layer_norm", "rms_norm", "bias_gelu", "cross_entropy"),
+        help="only these ops (default: all)",
+    )
+    parser.add_argument("--quick", action="store_true", help=f"norm rows {QUICK_ROWS} only")
+    parser.add_argument("--csv", default="kernels.csv", help="where to write the results (default: kernels.csv)")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU: the kernels run on CUDA (Triton's interpreter on a CPU is for tests, not timing).")
+        return 0
+
+    device_name = torch.cuda.get_device_name()
+    copy_gbps = copy_bandwidth_gbps()
+    cases = norm_cases(QUICK_ROWS if args.quick else ROWS) + cross_entropy_cases()
+    cases = [case for case in cases if args.ops is None or case.op in args.ops]
+
+    rows = []
+    for case in cases:
+        torch._dynamo.reset()
+        for name, fn in case.implementations.items():
+            for mode in MODES:
+                print(f"{case.op} {case.shape} {name} {mode}", file=sys.stderr, flush=True)
+                error = ""
+                try:
+                    milliseconds, peak = measure(case, name, fn, mode)
+                except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' numbers
+                    milliseconds, peak, error = math.nan, math.nan, f"{type(exc).__name__}: {exc}"
+                    print(f"  failed: {error}", file=sys.stderr)
+                gbps = case.min_bytes[mode] / milliseconds / 1e6
+                rows.append(
+                    {
+                        "device": device_name,
+                        "op": case.op,
+                        "shape": case.shape,
+                        "dtype": "bf16",
+                        "mode": mode,
+                        "implementation": name,
+                        "ms": milliseconds,
+                        "gbps": gbps,
+                        "copy_gbps": copy_gbps,
+                        "fraction_of_copy": gbps / copy_gbps,
+                        "peak_mib": peak,
+                        "error": error,
+                    }
+                )
+                torch.cuda.empty_cache()
+
+    with open(args.csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["device"])
+        writer.writeheader()
+        writer.writerows(rows)
+    header = [
+        f"## fabriclite kernels on {device_name}",
+        "",
+        *describe(),
+        f"- torch {torch.__version__}, CUDA {torch.version.cuda}; copy bandwidth (x.clone()): {copy_gbps:.0f} GB/s",
+        "- each cell: median time, minimum bytes moved / time, peak memory beyond the inputs",
+    ]
+    print(markdown(rows, header))
+    print(f"\nwrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

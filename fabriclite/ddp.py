@@ -1,0 +1,43 @@
+"""DistributedDataParallel: every rank holds the whole model; gradients are averaged during backward."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, ContextManager
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from fabriclite.distributed import ParallelStrategy
+
+
+class DDPStrategy(ParallelStrategy):
+    """``torch.nn.parallel.DistributedDataParallel`` on gloo (CPU) or nccl (CUDA).
+
+    Extra keyword arguments go to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``).
+    Usage: ``Fabric(devices=2, strategy=DDPStrategy(timeout=timedelta(minutes=5)))``.
+    """
+
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: str = "subprocess",
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        self.ddp_kwargs = ddp_kwargs
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager:
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, DistributedDataParallel):
+            raise TypeError(
+                f"no_backward_sync under DDP expects the model returned by fabric.setup, got {type(module).__name__}."
+            )
+        return module.no_sync()

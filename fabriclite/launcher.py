@@ -1,0 +1,169 @@
+"""Starting the processes of a multi-process run from a plain ``python train.py``.
+
+``SubprocessLauncher`` re-runs the script once per extra process (the way Lightning does), with the rank in the
+environment; the original process becomes rank 0. A watchdog thread in rank 0 ends every sibling as soon as one
+exits with an error, and each child dies with rank 0, so a failure never leaves processes hanging.
+``SpawnLauncher`` ("ddp_spawn") runs a function in fresh processes and returns rank 0's result.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from fabriclite.environment import free_port
+
+LAUNCHER_ENV = "FABRICLITE_LAUNCHER"
+
+
+def _die_with_parent() -> None:
+    # Linux: the kernel sends SIGKILL to this child when the process that started it dies, however it dies.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _script_command() -> list[str]:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name not in ("__main__", None):
+        module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return [sys.executable, "-m", module, *sys.argv[1:]]
+    script = sys.argv[0] if sys.argv else ""
+    if not script or script == "-c" or not os.path.exists(script):
+        raise RuntimeError(
+            "fabric.launch() starts the other processes by running this script again, but this process was not "
+            "started from a script file (an interactive session or `python -c`). Run a script, or use "
+            "strategy='ddp_spawn' with fabric.launch(function)."
+        )
+    return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
+
+
+def _rank_env(rank: int, local_rank: int, world_size: int, node_rank: int, address: str, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "NODE_RANK": str(node_rank),
+        "MASTER_ADDR": address,
+        "MASTER_PORT": str(port),
+    }
+
+
+class SubprocessLauncher:
+    """Re-runs the script for local ranks 1..N-1; this process is local rank 0. Usage: via ``fabric.launch()``."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self.children: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        """Start the other processes (only in the process the user started) and put this one's rank in its env."""
+        if os.environ.get(LAUNCHER_ENV):
+            return  # a child: the parent already set RANK and friends
+        command = _script_command()
+        port = free_port()
+        for rank in range(1, self.processes):
+            env = {
+                **os.environ,
+                **_rank_env(rank, rank, self.processes, 0, "127.0.0.1", port),
+                LAUNCHER_ENV: "subprocess",
+            }
+            self.children.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
+        os.environ.update(_rank_env(0, 0, self.processes, 0, "127.0.0.1", port))
+        os.environ[LAUNCHER_ENV] = "subprocess"
+        threading.Thread(target=self._watch, name="fabriclite-watchdog", daemon=True).start()
+        atexit.register(self._wait_for_children)
+        previous_hook = sys.excepthook
+
+        def kill_children_then_report(*exc_info: Any) -> None:
+            self.kill_children()
+            previous_hook(*exc_info)
+
+        sys.excepthook = kill_children_then_report
+
+    def _watch(self) -> None:
+        while True:
+            for child in self.children:
+                code = child.poll()
+                if code not in (None, 0):
+                    print(
+                        f"fabriclite: process {self.children.index(child) + 1} exited with code {code}; "
+                        "stopping the other processes.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    self.kill_children()
+                    os._exit(code if code > 0 else 1)
+            if all(child.poll() == 0 for child in self.children):
+                return
+            time.sleep(0.2)
+
+    def kill_children(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+        for child in self.children:
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _wait_for_children(self) -> None:
+        codes = [child.wait() for child in self.children]
+        failed = [code for code in codes if code != 0]
+        if failed:
+            os._exit(failed[0] if failed[0] > 0 else 1)
+
+
+def _spawn_entry(
+    local_rank: int,
+    processes: int,
+    port: int,
+    fabric_kwargs: dict[str, Any],
+    function: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    results: Any,
+) -> None:
+    os.environ.update(_rank_env(local_rank, local_rank, processes, 0, "127.0.0.1", port))
+    os.environ[LAUNCHER_ENV] = "spawn"
+    from fabriclite.fabric import Fabric
+
+    fabric = Fabric(**fabric_kwargs)
+    result = fabric.launch(function, *args, **kwargs)
+    if local_rank == 0:
+        results.put(result)
+
+
+class SpawnLauncher:
+    """Runs ``function(fabric, *args)`` in N new processes ("spawn" start method); returns rank 0's result."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+
+    def start(self) -> None:
+        """In a spawned process: the processes exist already."""
+
+    def run(
+        self, fabric_kwargs: dict[str, Any], function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+    ) -> Any:
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        results = context.SimpleQueue()
+        mp.start_processes(
+            _spawn_entry,
+            args=(self.processes, free_port(), fabric_kwargs, function, args, kwargs, results),
+            nprocs=self.processes,
+            start_method="spawn",
+        )
+        return results.get()  # start_processes raised if any process failed, so rank 0 has put its result

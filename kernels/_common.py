@@ -1,0 +1,88 @@
+"""What the op files share: launching a kernel (counted, with a clear error off the GPU), viewing a tensor as rows,
+and the launch sizes. Importing this imports triton; ``fabriclite.kernels`` imports it only when an op is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import Counter
+from typing import Any
+
+import torch
+import triton
+
+# Kernel launches by kernel name. Tests read it to prove a Triton kernel ran (there is no torch fallback to hide
+# behind); it costs one dict update per launch.
+LAUNCHES: Counter[str] = Counter()
+
+# Triton decides this when a kernel is decorated, i.e. when the op files are imported.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+# A row lives in one block in the norm kernels; wider rows than this do not fit the registers of one program.
+MAX_ROW_BLOCK = 65536
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """Run ``kernel[grid](*args, **meta)``, counted in ``LAUNCHES``.
+
+    Usage: ``launch(_my_forward_kernel, (n_rows,), x, y, n_cols, BLOCK=1024)``.
+    """
+    tensor = args[0]
+    if tensor.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(
+            f"fabriclite.kernels run Triton kernels on CUDA tensors; got a tensor on {tensor.device}. Move the "
+            "tensors to a CUDA device, use the torch op instead, or (to test on a CPU) set TRITON_INTERPRET=1 "
+            "before triton is imported."
+        )
+    LAUNCHES[kernel.__name__] += 1
+    kernel[grid](*args, **meta)
+
+
+def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """``t`` as a (rows, n_cols) tensor, a view where the strides allow it (expanded gradients stay unexpanded)."""
+    try:
+        return t.view(-1, n_cols)
+    except RuntimeError:
+        return t.reshape(-1, n_cols)
+
+
+def contiguous_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """``t`` as a (rows, n_cols) tensor whose rows are contiguous: what the kernels that read a row as a block need."""
+    rows = as_rows(t, n_cols)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def row_block(n_cols: int) -> int:
+    """The block that holds one whole row, and an error naming the limit when it cannot."""
+    block = triton.next_power_of_2(n_cols)
+    if block > MAX_ROW_BLOCK:
+        raise ValueError(
+            f"fabriclite.kernels normalizes rows of at most {MAX_ROW_BLOCK} elements in one block; got {n_cols}. "
+            "Use the torch op for rows this wide."
+        )
+    return block
+
+
+def num_warps(block: int) -> int:
+    """Warps for a program that works on ``block`` elements at a time: enough that each thread holds a few dozen."""
+    if block >= 32768:
+        return 32
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def reduction_programs(device: torch.device, n_rows: int) -> int:
+    """How many programs share the rows of a backward that also sums weight gradients: one per multiprocessor on a
+    GPU (each keeps an fp32 partial sum of its rows), a few in the interpreter where programs run one by one."""
+    if device.type == "cuda":
+        return max(1, min(n_rows, _multiprocessors(device.index if device.index is not None else 0)))
+    return max(1, min(n_rows, 4))

@@ -1,0 +1,22 @@
+"""The kernel tests run Triton's interpreter on CPU tensors unless told otherwise.
+
+Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when a ``fabriclite.kernels.fused_*`` op file is
+first imported (importing triton itself earlier does no harm). pytest loads this conftest before it imports any
+test module in this folder, and nothing outside ``fabriclite.kernels`` imports the op files, so setting it here is
+early enough. ``TRITON_INTERPRET=0 python -m pytest tests/kernels`` runs the same tests compiled on a CUDA device.
+"""
+
+import os
+import sys
+from importlib.util import find_spec
+
+_chosen_outside = "TRITON_INTERPRET" in os.environ
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if find_spec("triton") is None:
+    collect_ignore_glob = ["test_*.py"]  # without triton there is nothing to test here
+elif not _chosen_outside and any(name.startswith("fabriclite.kernels.fused_") for name in sys.modules):
+    raise RuntimeError(
+        "fabriclite's kernels were imported (and compiled for the GPU) before tests/kernels/conftest.py could set "
+        "TRITON_INTERPRET=1; set it in the environment, or find the test that imports them first."
+    )

@@ -1,0 +1,133 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import DEVICE, assert_matches, launched, leaf_pair
+
+from fabriclite.kernels import CrossEntropyLoss, cross_entropy, fused_cross_entropy
+
+FORWARD = "_cross_entropy_forward_kernel"
+BACKWARD = "_cross_entropy_backward_kernel"
+
+
+def _targets(n_rows: int, n_classes: int, ignored: tuple[int, ...] = (), ignore_index: int = -100) -> torch.Tensor:
+    target = torch.randint(0, n_classes, (n_rows,))
+    target[list(ignored)] = ignore_index
+    return target.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_loss_and_gradient_match_torch_with_ignored_rows(reduction, label_smoothing, dtype):
+    torch.manual_seed(0)
+    logits, reference = leaf_pair(3 * torch.randn(6, 37), dtype)
+    target = _targets(6, 37, ignored=(1, 4))
+    # "none" gets a strided (non-contiguous) upstream gradient, the others a scalar one that is not 1.
+    upstream = (
+        torch.randn(12, dtype=dtype, device=DEVICE)[::2] if reduction == "none" else torch.tensor(0.7, dtype=dtype)
+    )
+
+    with launched(FORWARD, BACKWARD):
+        loss = cross_entropy(logits, target, label_smoothing=label_smoothing, reduction=reduction)
+        loss.backward(upstream.to(DEVICE))
+    expected = F.cross_entropy(reference, target, label_smoothing=label_smoothing, reduction=reduction)
+    expected.backward(upstream.double().to(DEVICE))
+
+    assert_matches(loss, expected, dtype)
+    assert_matches(logits.grad, reference.grad, dtype)
+    assert torch.all(logits.grad[[1, 4]] == 0), "ignored rows must get a zero gradient"
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_rows_wider_than_one_block_are_swept_block_by_block(monkeypatch, label_smoothing):
+    monkeypatch.setattr(fused_cross_entropy, "MAX_BLOCK", 16)  # 53 classes: three full blocks and a partial one
+    torch.manual_seed(1)
+    logits, reference = leaf_pair(4 * torch.randn(3, 53), torch.float32)
+    target = _targets(3, 53, ignored=(2,), ignore_index=7)
+
+    with launched(FORWARD, BACKWARD):
+        loss = cross_entropy(logits, target, ignore_index=7, label_smoothing=label_smoothing)
+        loss.backward()
+    expected = F.cross_entropy(reference, target, ignore_index=7, label_smoothing=label_smoothing)
+    expected.backward()
+
+    assert_matches(loss, expected, torch.float32)
+    assert_matches(logits.grad, reference.grad, torch.float32)
+
+
+def test_a_block_of_minus_infinity_logits_stays_finite(monkeypatch):
+    # A masked vocabulary: the whole first block is -inf, which must not turn the running max into NaN.
+    monkeypatch.setattr(fused_cross_entropy, "MAX_BLOCK", 16)
+    torch.manual_seed(2)
+    values = torch.randn(2, 40)
+    values[:, :20] = float("-inf")
+    logits, reference = leaf_pair(values, torch.float32)
+    target = torch.tensor([25, 39], device=DEVICE)
+
+    with launched(FORWARD):
+        loss = cross_entropy(logits, target)
+        loss.backward()
+    expected = F.cross_entropy(reference, target)
+    expected.backward()
+
+    assert_matches(loss, expected, torch.float32)
+    assert_matches(logits.grad, reference.grad, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_single_row_with_an_expanded_upstream_gradient(dtype):
+    torch.manual_seed(3)
+    logits, reference = leaf_pair(torch.randn(1, 37), dtype)
+    target = _targets(1, 37)
+
+    with launched(FORWARD, BACKWARD):
+        loss = cross_entropy(logits, target, reduction="none", label_smoothing=0.05)
+        loss.sum().backward()  # the gradient reaching the op is a stride-0 expand of one value
+    expected = F.cross_entropy(reference, target, reduction="none", label_smoothing=0.05)
+    expected.sum().backward()
+
+    assert_matches(loss, expected, dtype)
+    assert_matches(logits.grad, reference.grad, dtype)
+
+
+def test_all_rows_ignored_gives_a_nan_mean_and_a_zero_gradient_as_torch_does():
+    logits = torch.randn(3, 11, device=DEVICE, requires_grad=True)
+    target = torch.full((3,), -100, device=DEVICE)
+    with launched(FORWARD):
+        loss = cross_entropy(logits, target)
+        loss.backward()
+    assert torch.isnan(loss) and torch.isnan(F.cross_entropy(logits.detach(), target))
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_without_grad_the_loss_is_computed_and_no_gradient_is_kept():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 19, device=DEVICE, requires_grad=True)
+    target = _targets(4, 19)
+    with torch.no_grad(), launched(FORWARD):
+        loss = cross_entropy(logits, target, label_smoothing=0.1)
+    assert loss.grad_fn is None
+    assert_matches(loss, F.cross_entropy(logits.detach().double(), target, label_smoothing=0.1), torch.float32)
+
+
+def test_the_module_matches_nn_cross_entropy_loss():
+    torch.manual_seed(5)
+    logits = torch.randn(5, 23, device=DEVICE)
+    target = _targets(5, 23, ignored=(0,), ignore_index=3)
+    module = CrossEntropyLoss(ignore_index=3, reduction="sum", label_smoothing=0.1)
+    expected = torch.nn.CrossEntropyLoss(ignore_index=3, reduction="sum", label_smoothing=0.1)(logits.double(), target)
+    with launched(FORWARD):
+        assert_matches(module(logits, target), expected, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("logits_shape", "target_shape", "kwargs", "message"),
+    [
+        ((2, 3, 5), (2, 3), {}, "flatten"),
+        ((4, 5), (4,), {"reduction": "max"}, "reduction="),
+        ((4, 5), (4,), {"label_smoothing": 1.5}, "label_smoothing="),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_valid_choices(logits_shape, target_shape, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cross_entropy(torch.randn(logits_shape), torch.zeros(target_shape, dtype=torch.long), **kwargs)

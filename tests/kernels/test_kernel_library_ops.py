@@ -1,0 +1,96 @@
+"""The ops as torch.library custom ops: opcheck's schema, fake-tensor, autograd and AOT-dispatch tests, and
+torch.compile with fullgraph=True (which fails on any graph break) over a function using all of them."""
+
+import pytest
+import torch
+from kernel_checks import DEVICE, launched
+
+from fabriclite.kernels import add_layer_norm, bias_gelu, cross_entropy, layer_norm, rms_norm
+
+
+def _leaf(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE, requires_grad=True)
+
+
+def _plain(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE)
+
+
+def _cases() -> list:
+    """(op name, arguments) pairs: every forward op with its optional parts present and absent, every backward op."""
+    torch.manual_seed(0)
+    target = torch.tensor([0, 6, -100], device=DEVICE)
+    rows = torch.tensor([0.5, 1.0, 2.0], device=DEVICE)
+    ones = torch.ones(3, device=DEVICE)
+    return [
+        ("cross_entropy", (_leaf(3, 7), target, -100, 0.1, "mean", True)),
+        ("cross_entropy", (_leaf(3, 7), target, -100, 0.0, "none", True)),
+        ("cross_entropy", (_plain(3, 7), target, -100, 0.0, "sum", False)),
+        ("cross_entropy_backward", (_plain(3, 7), _plain(3))),
+        ("layer_norm", (_leaf(2, 3, 7), [7], _leaf(7), _leaf(7), 1e-5)),
+        ("layer_norm", (_leaf(3, 7), [7], None, None, 1e-5)),
+        ("add_layer_norm", (_leaf(3, 7), _leaf(3, 7), _leaf(7), _leaf(7), 1e-5)),
+        ("add_layer_norm", (_leaf(3, 7), _leaf(3, 7), None, None, 1e-5)),
+        ("layer_norm_backward", (_plain(3, 7), _plain(3, 7), _plain(3, 7), [7], _plain(7), True, ones, rows)),
+        ("layer_norm_backward", (_plain(3, 7), None, _plain(3, 7), [7], None, False, ones, rows)),
+        ("rms_norm", (_leaf(2, 3, 7), [7], _leaf(7), 1e-6)),
+        ("rms_norm", (_leaf(3, 7), [7], None, 1e-6)),
+        ("rms_norm_backward", (_plain(3, 7), _plain(3, 7), [7], _plain(7), rows)),
+        ("bias_gelu", (_leaf(2, 3, 7), _leaf(7), "none")),
+        ("bias_gelu", (_leaf(3, 7), _leaf(7), "tanh")),
+        ("bias_gelu_backward", (_plain(3, 7), _plain(3, 7), _plain(7), "tanh")),
+    ]
+
+
+def _case_id(case) -> str:
+    name, args = case
+    absent = sum(arg is None for arg in args)
+    return f"{name}-{absent}-absent" if absent else name
+
+
+def _kernel(op: str) -> str:
+    """The Triton kernel an op launches: fabriclite::add_layer_norm -> _layer_norm_forward_kernel, and so on."""
+    direction = "backward" if op.endswith("_backward") else "forward"
+    return f"_{op.removeprefix('add_').removesuffix('_backward')}_{direction}_kernel"
+
+
+@pytest.mark.parametrize("case", _cases(), ids=_case_id)
+def test_opcheck_passes_for_every_op(case):
+    name, args = case
+    with launched(_kernel(name)):
+        results = torch.library.opcheck(getattr(torch.ops.fabriclite, name), args, raise_exception=False)
+    assert results == dict.fromkeys(results, "SUCCESS"), results
+
+
+def _step(x, residual, weight, bias, weight2, bias2, target):
+    y, hidden = add_layer_norm(x, residual, weight, bias)
+    h = bias_gelu(layer_norm(hidden, (x.shape[-1],), weight, bias) + y, bias2, "tanh")
+    h = rms_norm(h, weight2, 1e-6)
+    return cross_entropy(h, target, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_traces_all_ops_into_one_graph_with_their_backward(backend):
+    torch.manual_seed(1)
+    leaves = [_leaf(4, 9), _leaf(4, 9), _leaf(9), _leaf(9), _leaf(9), _leaf(9)]
+    target = torch.tensor([0, 3, -100, 8], device=DEVICE)
+    expected = _step(*leaves, target)
+    expected.backward()
+    expected_grads = [leaf.grad for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_step, backend=backend, fullgraph=True)  # a graph break raises here
+    kernels = [
+        f"_{op}_{direction}_kernel"
+        for op in ("layer_norm", "bias_gelu", "rms_norm", "cross_entropy")
+        for direction in ("forward", "backward")
+    ]
+    with launched(*kernels):
+        loss = compiled(*leaves, target)
+        loss.backward()
+
+    torch.testing.assert_close(loss, expected)
+    for leaf, grad in zip(leaves, expected_grads):
+        torch.testing.assert_close(leaf.grad, grad)

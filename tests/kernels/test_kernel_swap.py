@@ -1,0 +1,95 @@
+import pytest
+import torch
+from kernel_checks import DEVICE, launched
+from torch import nn
+
+from fabriclite.kernels import LayerNorm, RMSNorm, kernels_available, swap_modules
+
+
+class _CustomNorm(nn.LayerNorm):
+    """A user's subclass: its forward may differ, so it must be left alone."""
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_in = nn.LayerNorm(13)
+        self.linear = nn.Linear(13, 13)
+        self.norm_mid = nn.RMSNorm(13, eps=1e-6)
+        self.shared = nn.LayerNorm(13, bias=False)
+        self.layers = nn.ModuleList([self.shared, self.shared, _CustomNorm(13)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm_mid(self.linear(self.norm_in(x)))
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = _Block().to(DEVICE)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_()
+    return model
+
+
+def test_swap_replaces_norms_in_place_keeping_the_parameter_objects_and_state_dict():
+    model = _model()
+    parameters = dict(model.named_parameters())
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    x = torch.randn(3, 13, device=DEVICE)
+    expected = model(x)
+
+    with launched("_layer_norm_forward_kernel", "_rms_norm_forward_kernel"):
+        assert swap_modules(model) == 3  # norm_in, norm_mid and the shared norm, counted once
+        out = model(x)
+
+    assert type(model.norm_in) is LayerNorm and type(model.shared) is LayerNorm
+    assert type(model.norm_mid) is RMSNorm
+    assert model.layers[0] is model.layers[1] is model.shared, "a shared norm must stay shared"
+    assert type(model.layers[2]) is _CustomNorm
+    assert model.shared.bias is None and model.norm_mid.eps == 1e-6
+    after = dict(model.named_parameters())
+    assert list(after) == list(parameters) and all(after[name] is parameters[name] for name in parameters)
+    assert list(model.state_dict()) == list(state)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key])
+    torch.testing.assert_close(out, expected)
+
+
+def test_swap_leaves_norms_with_hooks_the_root_and_the_training_flag_alone():
+    model = _model().eval()
+    model.norm_in.register_forward_hook(lambda module, args, output: None)
+    assert swap_modules(model) == 2
+    assert type(model.norm_in) is nn.LayerNorm
+    assert not model.norm_mid.training and not model.shared.training
+
+    root = nn.LayerNorm(5)
+    assert swap_modules(root) == 0 and type(root) is nn.LayerNorm
+
+
+def test_the_swapped_model_trains_through_the_kernels():
+    model = _model()
+    reference = _model()
+    swap_modules(model)
+    x = torch.randn(4, 13, device=DEVICE)
+    with launched("_layer_norm_backward_kernel", "_rms_norm_backward_kernel"):
+        model(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, expected.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_kernels_are_available_on_cpu_only_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels_available("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not kernels_available(torch.device("cpu"))
+    assert not kernels_available("meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+def test_kernels_are_not_available_on_cuda_without_a_gpu():
+    assert not kernels_available("cuda")

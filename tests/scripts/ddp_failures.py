@@ -1,0 +1,24 @@
+"""A 2-process run in which one rank fails: "crash" raises on rank 1, "hang" stalls rank 1 forever while rank 0
+waits in a collective with a 3 s timeout. Each process prints its PID first, so the test can look for orphans."""
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+from fabriclite import Fabric
+from fabriclite.ddp import DDPStrategy
+
+mode = sys.argv[1]
+fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=3)))
+fabric.launch()
+print(f"PID {fabric.global_rank} {os.getpid()}", flush=True)
+fabric.barrier()
+if fabric.global_rank == 1:
+    if mode == "crash":
+        raise RuntimeError("rank 1 fails on purpose")
+    time.sleep(3600)
+fabric.all_reduce(torch.ones(1))
+print("unreachable", flush=True)

@@ -1,0 +1,133 @@
+"""DDP on 2 CPU processes (gloo), started from a plain script as a user would. Each script run carries a timeout."""
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, SCRIPTS, python_env, run_python
+
+CHECKS = [
+    "layout",
+    "threads",
+    "all_gather stacks a world dimension",
+    "all_gather of a dict",
+    "all_gather of uneven lengths gives a list",
+    "all_gather with an empty rank",
+    "all_reduce mean",
+    "all_reduce sum/max/min",
+    "broadcast",
+    "shards are disjoint and cover the data",
+    "set_epoch reshuffles every epoch",
+    "a user's sampler is sharded",
+    "a metric under DDP equals the single-process value",
+    "counting the duplicate would differ",
+    "use_distributed_sampler=False keeps the whole data",
+    "weights identical across ranks",
+    "DDP equals one process on the whole batch",
+    "no_backward_sync keeps gradients local",
+    "gradients are averaged outside no_backward_sync",
+    "clip_gradients norm agrees across ranks",
+]
+SCALER_CHECKS = [
+    "an inf on one rank makes every rank skip",
+    "every rank backs off the scale",
+    "after a skip the next step applies on every rank",
+]
+
+
+def passed(output):
+    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |\n|$)", output))
+
+
+@pytest.fixture(scope="module")
+def fp32_run():
+    return run_python(str(SCRIPTS / "ddp_checks.py"), "32-true", timeout=240).stdout
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_ddp_behaviour_on_two_processes(fp32_run, name):
+    assert {("0", name), ("1", name)} <= passed(fp32_run), fp32_run[-2000:]
+
+
+def test_loss_scaling_under_ddp_skips_the_same_step_on_every_rank():
+    out = run_python(str(SCRIPTS / "ddp_checks.py"), "16-mixed", timeout=240).stdout
+    for name in SCALER_CHECKS:
+        assert {("0", name), ("1", name)} <= passed(out), out[-2000:]
+
+
+def pid_alive(pid):
+    return subprocess.run(["kill", "-0", str(pid)], capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.parametrize(("mode", "within"), [("crash", 60), ("hang", 60)])
+def test_a_failing_or_hanging_rank_stops_the_run_with_an_error_and_no_orphans(mode, within):
+    start = time.monotonic()
+    result = run_python(str(SCRIPTS / "ddp_failures.py"), mode, timeout=120, check=False)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "unreachable" not in result.stdout
+    assert elapsed < within
+    pids = [int(pid) for pid in re.findall(r"PID \d (\d+)", result.stdout)]
+    assert len(pids) == 2, result.stdout
+    time.sleep(0.5)
+    assert not any(pid_alive(pid) for pid in pids)
+
+
+def test_ddp_spawn_runs_the_function_and_returns_rank_zeros_result(tmp_path):
+    script = tmp_path / "spawn.py"
+    script.write_text(
+        "from fabriclite import Fabric\n"
+        "def work(fabric, base):\n"
+        "    return base + fabric.all_reduce(fabric.global_rank + 1, reduce_op='sum').item()\n"
+        "if __name__ == '__main__':\n"
+        "    print('result', Fabric(accelerator='cpu', devices=2, strategy='ddp_spawn').launch(work, 10))\n"
+    )
+    assert "result 13" in run_python(str(script), timeout=180).stdout
+
+
+def test_torchrun_launched_processes_are_detected_and_reused(tmp_path):
+    script = tmp_path / "elastic.py"
+    script.write_text(
+        "from fabriclite import Fabric\n"
+        "fabric = Fabric(accelerator='cpu', devices=2)\n"
+        "fabric.launch()\n"
+        "print('rank', fabric.global_rank, 'of', fabric.world_size, fabric.strategy.environment.source, flush=True)\n"
+    )
+    out = run_python(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), timeout=180
+    ).stdout
+    assert "rank 0 of 2 torchelastic" in out and "rank 1 of 2 torchelastic" in out
+
+
+def test_a_world_size_that_does_not_match_devices_is_refused():
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    result = run_python(
+        "-c", "from fabriclite import Fabric; Fabric(accelerator='cpu', devices=2)", check=False, timeout=60, **env
+    )
+    assert result.returncode != 0
+    assert "WORLD_SIZE=3" in result.stderr and "2 * 1 = 2" in result.stderr
+
+
+def test_launch_from_python_c_explains_what_to_do():
+    result = run_python(
+        "-c", "from fabriclite import Fabric; Fabric(accelerator='cpu', devices=2).launch()", check=False, timeout=60
+    )
+    assert result.returncode != 0
+    assert "ddp_spawn" in result.stderr
+
+
+def test_setup_before_launch_is_refused_under_a_launcher():
+    code = (
+        "import torch\nfrom fabriclite import Fabric\nFabric(accelerator='cpu', devices=2).setup(torch.nn.Linear(2, 2))"
+    )
+    result = run_python("-c", code, check=False, timeout=60)
+    assert result.returncode != 0
+    assert "before fabric.launch()" in result.stderr
+
+
+def test_unused_helpers_are_importable():
+    # the module-level import of python_env and ROOT documents where the helpers live
+    assert callable(python_env) and ROOT.exists() and sys.executable
