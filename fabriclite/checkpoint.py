@@ -8,10 +8,14 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
+
+
+# Where fabric.save keeps what it adds to the user's state: random streams, the loss scaler.
+META_KEY = "__fabriclite__"
 
 
 class CheckpointError(RuntimeError):
@@ -125,3 +129,36 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu", weights_only: 
             f"Checkpoint {str(path)!r} could not be read: it is truncated, corrupt or not a torch checkpoint "
             f"({type(err).__name__}: {text.splitlines()[0] if text else ''})."
         ) from err
+
+
+def state_to_checkpoint(state: Mapping[str, Any], filter: Mapping[str, Callable] | None = None) -> dict[str, Any]:
+    """The dict to write for ``fabric.save``: each object's ``state_dict()`` (filtered), plain values as they are."""
+    checkpoint: dict[str, Any] = {}
+    for key, obj in state.items():
+        value = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+        if filter and key in filter:
+            value = {name: v for name, v in value.items() if filter[key](name, v)}
+        checkpoint[key] = value
+    return checkpoint
+
+
+def checkpoint_into_state(checkpoint: dict[str, Any], state: dict[str, Any], strict: bool, path: Any) -> dict[str, Any]:
+    """Load ``checkpoint`` into ``state`` in place (objects via ``load_state_dict``, plain values by assignment);
+    return the entries ``state`` did not ask for."""
+    missing = [key for key in state if key not in checkpoint]
+    if strict and missing:
+        raise KeyError(
+            f"Checkpoint {str(path)!r} lacks the keys {missing}; it has {sorted(checkpoint)}. "
+            "Pass strict=False to load what is there."
+        )
+    for key, obj in list(state.items()):
+        if key not in checkpoint:
+            continue
+        value = checkpoint.pop(key)
+        if isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(value, strict=strict)
+        elif callable(getattr(obj, "load_state_dict", None)):
+            obj.load_state_dict(value)
+        else:
+            state[key] = value
+    return checkpoint

@@ -18,21 +18,13 @@ from torch.utils.data import DataLoader
 from fabriclite import choices
 from fabriclite._collections import apply_to_collection, convert_to_tensors, move_to_device, to_python_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
-from fabriclite.checkpoint import (
-    CheckpointError,
-    atomic_save,
-    capture_rng_state,
-    restore_rng_state,
-    safe_load,
-)
+from fabriclite.checkpoint import META_KEY, capture_rng_state, restore_rng_state, safe_load
 from fabriclite.data import _FabricDataLoader
 from fabriclite.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy, select_strategy
 from fabriclite.wrappers import _FabricModule, _FabricOptimizer
 
-# Where fabric.save keeps what it adds to the user's state: random streams, the loss scaler.
-_META_KEY = "__fabriclite__"
 _REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
@@ -176,7 +168,9 @@ class Fabric:
             raise TypeError(f"fabric.launch(function) expects a callable taking the Fabric first, got {function!r}.")
         launcher = self._strategy.launcher
         if launcher is not None and self._launched:
-            raise RuntimeError("fabric.launch() was already called; it starts the processes, so call it once per Fabric.")
+            raise RuntimeError(
+                "fabric.launch() was already called; it starts the processes, so call it once per Fabric."
+            )
         if launcher is not None:
             from fabriclite.launcher import LAUNCHER_ENV, SpawnLauncher
 
@@ -422,24 +416,18 @@ class Fabric:
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"fabric.save expects a dict of things to save, got {type(state).__name__}.")
-        if _META_KEY in state:
-            raise ValueError(f"The key {_META_KEY!r} is reserved by fabric.save; rename it in your state.")
+        if META_KEY in state:
+            raise ValueError(f"The key {META_KEY!r} is reserved by fabric.save; rename it in your state.")
         for key, fn in (filter or {}).items():
             if key not in state or not callable(fn):
                 raise ValueError(f"filter[{key!r}] must name a key of state and be a callable (name, value) -> bool.")
-        checkpoint: dict[str, Any] = {}
-        for key, obj in state.items():
-            value = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
-            if filter and key in filter:
-                value = {name: v for name, v in value.items() if filter[key](name, v)}
-            checkpoint[key] = value
         self._check_launched("save")
         # Each rank's random streams, so every rank resumes drawing exactly what it would have drawn.
-        rng_per_rank = self._strategy.all_gather_object(capture_rng_state())
-        checkpoint[_META_KEY] = {"rng_per_rank": rng_per_rank, "precision": self._precision.state_dict()}
-        if self.is_global_zero:
-            atomic_save(checkpoint, path)
-        self._strategy.barrier("save")
+        meta = {
+            "rng_per_rank": self._strategy.all_gather_object(capture_rng_state()),
+            "precision": self._precision.state_dict(),
+        }
+        self._strategy.save_checkpoint(path, state, meta, filter)
 
     def load(
         self,
@@ -455,33 +443,10 @@ class Fabric:
         random streams and the loss scaler saved with it are restored too. Without ``state``, returns the whole
         checkpoint and restores nothing. Usage: ``remainder = fabric.load("last.ckpt", state)``.
         """
-        checkpoint = safe_load(path, weights_only=weights_only)
-        if not isinstance(checkpoint, dict):
-            raise CheckpointError(
-                f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes."
-            )
-        meta = checkpoint.pop(_META_KEY, None)
-        if state is None:
-            return checkpoint
-        if not isinstance(state, dict):
+        if state is not None and not isinstance(state, dict):
             raise TypeError(f"fabric.load expects state to be a dict (filled in place), got {type(state).__name__}.")
-        missing = [key for key in state if key not in checkpoint]
-        if strict and missing:
-            raise KeyError(
-                f"Checkpoint {str(path)!r} lacks the keys {missing}; it has {sorted(checkpoint)}. "
-                "Pass strict=False to load what is there."
-            )
-        for key, obj in list(state.items()):
-            if key not in checkpoint:
-                continue
-            value = checkpoint.pop(key)
-            if isinstance(obj, torch.nn.Module):
-                obj.load_state_dict(value, strict=strict)
-            elif callable(getattr(obj, "load_state_dict", None)):
-                obj.load_state_dict(value)
-            else:
-                state[key] = value
-        if meta is not None:
+        remainder, meta = self._strategy.load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if state is not None and meta is not None:
             self._precision.load_state_dict(meta.get("precision", {}))
             rng_per_rank = meta["rng_per_rank"]
             # Loaded into a different world size, ranks without their own streams take rank 0's.
@@ -489,7 +454,7 @@ class Fabric:
                 rng_per_rank[self.global_rank] if self.global_rank < len(rng_per_rank) else rng_per_rank[0]
             )
         self._strategy.barrier("load")
-        return checkpoint
+        return remainder
 
     def load_raw(
         self,

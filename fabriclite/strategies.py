@@ -4,13 +4,21 @@ the distributed strategies live beside it and are imported only when asked for.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from fabriclite.accelerators import Accelerator
+from fabriclite.checkpoint import (
+    META_KEY,
+    CheckpointError,
+    atomic_save,
+    checkpoint_into_state,
+    safe_load,
+    state_to_checkpoint,
+)
 from fabriclite.precision import Precision
 
 
@@ -102,6 +110,31 @@ class Strategy:
 
     def teardown(self) -> None:
         pass
+
+    # Checkpoints: one file, written by rank 0; strategies with sharded state override these two.
+    def save_checkpoint(
+        self, path: Any, state: Mapping[str, Any], meta: dict[str, Any], filter: Mapping[str, Callable] | None = None
+    ) -> None:
+        """Write ``state`` (objects turned into state dicts) plus fabriclite's ``meta`` atomically to ``path``."""
+        checkpoint = state_to_checkpoint(state, filter)
+        checkpoint[META_KEY] = meta
+        if self.is_global_zero:
+            atomic_save(checkpoint, path)
+        self.barrier("save")
+
+    def load_checkpoint(
+        self, path: Any, state: dict[str, Any] | None, strict: bool = True, weights_only: bool = True
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Load ``path`` into ``state`` in place; return (what ``state`` did not consume, fabriclite's meta)."""
+        checkpoint = safe_load(path, weights_only=weights_only)
+        if not isinstance(checkpoint, dict):
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes."
+            )
+        meta = checkpoint.pop(META_KEY, None)
+        if state is None:
+            return checkpoint, meta
+        return checkpoint_into_state(checkpoint, state, strict, path), meta
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Iterator[None]:
