@@ -16,8 +16,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from fabriclite import choices
+from fabriclite._cli_env import apply_cli_settings
 from fabriclite._collections import apply_to_collection, convert_to_tensors, move_to_device, to_python_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
+from fabriclite.compile import CompileWatch, compile_kwargs
 from fabriclite.checkpoint import META_KEY, capture_rng_state, restore_rng_state, safe_load
 from fabriclite.data import _FabricDataLoader
 from fabriclite.precision import Precision, select_precision
@@ -59,7 +61,12 @@ class Fabric:
         callbacks: Any = None,
         loggers: Any = None,
         kernels: bool = False,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
+        # Settings given to `fabriclite run` fill in the arguments left at their defaults; a differing one raises.
+        accelerator, strategy, devices, num_nodes, precision = apply_cli_settings(
+            accelerator, strategy, devices, num_nodes, precision
+        )
         accelerator_name = choices.parse_accelerator(accelerator)
         strategy_choice = choices.parse_strategy(strategy)
         parsed_devices = choices.parse_devices(devices)
@@ -83,6 +90,7 @@ class Fabric:
             "callbacks": callbacks,
             "loggers": loggers,
             "kernels": kernels,
+            "compile": compile,
         }
         self._accelerator: Accelerator = select_accelerator(accelerator_name, parsed_devices)
         self._strategy: Strategy = select_strategy(strategy_choice, self._accelerator, nodes)
@@ -94,6 +102,8 @@ class Fabric:
         self._precision: Precision = user_precision or select_precision(precision_name, self._strategy.root_device)
         self._strategy.precision = self._precision
         self._kernels = bool(kernels) and self._kernels_usable()
+        self._compile = compile_kwargs(compile)
+        self._compile_watches: list[CompileWatch] = []
         self._callbacks = _as_list(callbacks)
         self._loggers = _as_list(loggers)
         self._launched = False
@@ -194,43 +204,70 @@ class Fabric:
         scheduler: Any = None,
         move_to_device: bool = True,
         _reapply_compile: bool = True,
+        compile: bool | dict[str, Any] | None = None,
     ) -> Any:
         """Wrap a model and its optimizers; returns the model alone, or ``(model, *optimizers[, scheduler])``.
 
-        Usage: ``model, optimizer = fabric.setup(model, optimizer)``.
+        ``compile`` overrides ``Fabric(compile=...)`` for this model. Usage: ``model, optimizer = fabric.setup(model, optimizer)``.
         """
-        module = self.setup_module(module, move_to_device=move_to_device, _reapply_compile=_reapply_compile)
+        module = self.setup_module(
+            module, move_to_device=move_to_device, _reapply_compile=_reapply_compile, compile=compile
+        )
         wrapped = [self._setup_optimizer(optimizer) for optimizer in optimizers]
         if scheduler is not None:
             return (module, *wrapped, scheduler)
         return (module, *wrapped) if wrapped else module
 
     def setup_module(
-        self, module: torch.nn.Module, move_to_device: bool = True, _reapply_compile: bool = True
+        self,
+        module: torch.nn.Module,
+        move_to_device: bool = True,
+        _reapply_compile: bool = True,
+        compile: bool | dict[str, Any] | None = None,
     ) -> _FabricModule:
-        """Wrap a model: precision conversion, placement on the device, the strategy's wrapper.
+        """Wrap a model: kernels, precision conversion, placement on the device, the strategy's wrapper, compile.
 
-        Usage: ``model = fabric.setup_module(model)``.
+        Usage: ``model = fabric.setup_module(model, compile=True)``.
         """
         self._check_launched("setup")
         if isinstance(module, _FabricModule):
             raise ValueError("This model was already set up by fabric.setup; pass each model to setup only once.")
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"fabric.setup expects a torch.nn.Module, got {type(module).__name__}.")
-        if module in self._setup_modules:
+        # A model the user compiled before setup keeps its compiled forward; the rest works on the model inside.
+        user_compiled = type(module).__name__ == "OptimizedModule" and isinstance(
+            getattr(module, "_orig_mod", None), torch.nn.Module
+        )
+        original = module._orig_mod if user_compiled else module
+        if original in self._setup_modules:
             raise ValueError(
-                f"{type(module).__name__} was already set up by this Fabric; use the module setup returned."
+                f"{type(original).__name__} was already set up by this Fabric; use the module setup returned."
             )
+        kwargs = self._compile if compile is None else compile_kwargs(compile, "setup(compile=...)")
         if self._kernels:  # before DDP/FSDP wrap anything, so they shard the fused modules
             from fabriclite.kernels import swap_modules
 
-            swap_modules(module)
-        module = self._precision.convert_module(module)
+            swap_modules(original)
+        self._precision.convert_module(original)
         if move_to_device:
-            self._strategy.module_to_device(module)
+            self._strategy.module_to_device(original)
         forward_module = self._strategy.setup_module(module)
-        self._setup_modules.add(module)
-        return _FabricModule(forward_module, self._precision, original_module=module)
+        watch = None
+        if kwargs is not None and not user_compiled:
+            # After the strategy's wrapper, as PyTorch recommends (DDP's graph splitting needs it).
+            forward_module = torch.compile(forward_module, **kwargs)
+            watch = CompileWatch(type(original).__name__)
+            self._compile_watches.append(watch)
+        self._setup_modules.add(original)
+        return _FabricModule(forward_module, self._precision, original_module=original, watch=watch)
+
+    def compile_report(self) -> list[dict[str, Any]]:
+        """What torch.compile did for each model set up with ``compile=...``: graphs and graph breaks after the
+        first step, recompiles since, and the reasons for the breaks.
+
+        Usage: ``fabric.print(fabric.compile_report())`` after the first training step.
+        """
+        return [watch.report() for watch in self._compile_watches]
 
     def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
         """Wrap optimizers so ``step`` goes through the loss scaler; returns one or a tuple.

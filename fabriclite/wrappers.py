@@ -19,14 +19,21 @@ class _FabricModule(torch.nn.Module):
     """
 
     def __init__(
-        self, forward_module: torch.nn.Module, precision: Precision, original_module: torch.nn.Module | None = None
+        self,
+        forward_module: torch.nn.Module,
+        precision: Precision,
+        original_module: torch.nn.Module | None = None,
+        watch: Any = None,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
         self._original_module = original_module if original_module is not None else forward_module
         self._precision = precision
         # Chosen once: 32-true calls the module directly, the hot path has no context and no casts.
-        self._fabric_forward = forward_module.__call__ if precision.passthrough else self._precision_forward
+        forward = forward_module.__call__ if precision.passthrough else self._precision_forward
+        self._fabric_forward = forward
+        if watch is not None:  # a compiled model: count what the compiler does in the first calls, then stop
+            self._fabric_forward = watch.wrap(forward, stop=lambda: setattr(self, "_fabric_forward", forward))
 
     @property
     def module(self) -> torch.nn.Module:

@@ -1,0 +1,134 @@
+"""The compile switch: Fabric(compile=...) and setup(..., compile=...), and the report of what the compiler did."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from fabriclite import Fabric
+
+ORIGINAL_COMPILE = torch.compile
+EAGER = {"backend": "aot_eager"}  # traces like inductor without compiling C++: fast enough for most tests
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+
+def train(fabric, steps=4, compile=None, shapes=None):
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer, compile=compile)
+    torch.manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(shapes[step] if shapes else 5, 6)
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+    return model
+
+
+def test_compile_true_with_inductor_trains_like_eager_and_reports_one_graph():
+    eager = train(Fabric(accelerator="cpu"))
+    fabric = Fabric(accelerator="cpu", compile=True)
+    compiled = train(fabric)
+    assert type(compiled._forward_module).__name__ == "OptimizedModule"
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    (report,) = fabric.compile_report()
+    assert report["graphs"] == 1 and report["graph_breaks"] == 0 and report["recompiles"] == 0
+
+
+def test_setup_compile_overrides_the_fabric_default():
+    fabric = Fabric(accelerator="cpu", compile=EAGER)
+    plain = train(fabric, compile=False)
+    assert type(plain._forward_module).__name__ != "OptimizedModule"
+    assert fabric.compile_report() == []
+    compiled = train(Fabric(accelerator="cpu"), compile=EAGER)
+    assert type(compiled._forward_module).__name__ == "OptimizedModule"
+
+
+def test_state_dict_keys_stay_the_models_under_compile():
+    model = net()
+    keys = list(model.state_dict())
+    wrapped = Fabric(accelerator="cpu", compile=EAGER).setup(model)
+    assert list(wrapped.state_dict()) == keys
+
+
+def test_a_model_compiled_by_the_user_keeps_working_and_is_not_compiled_twice():
+    fabric = Fabric(accelerator="cpu", compile=EAGER)
+    model = net()
+    keys = list(model.state_dict())
+    user_compiled = torch.compile(model, backend="aot_eager")
+    wrapped = fabric.setup(user_compiled)
+    assert wrapped._forward_module is user_compiled
+    assert wrapped.module is model
+    assert list(wrapped.state_dict()) == keys
+    assert wrapped(torch.randn(2, 6)).shape == (2, 3)
+    with pytest.raises(ValueError, match="already set up"):
+        fabric.setup(model)
+
+
+def test_graph_breaks_are_counted_with_their_reason():
+    class Chatty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            print("", end="")  # dynamo cannot trace print: a graph break
+            return self.b(x)
+
+    fabric = Fabric(accelerator="cpu", compile=EAGER)
+    model = fabric.setup(Chatty())
+    model(torch.randn(2, 4))
+    (report,) = fabric.compile_report()
+    assert report["graph_breaks"] >= 1 and report["graphs"] >= 2
+    assert any("print" in reason or "builtin" in reason for reason in report["break_reasons"])
+
+
+def test_recompiling_every_step_warns_and_points_at_dynamic():
+    fabric = Fabric(accelerator="cpu", compile={**EAGER, "dynamic": False})
+    with pytest.warns(UserWarning, match="dynamic"):
+        train(fabric, steps=5, shapes=[2, 3, 4, 5, 6])
+    assert fabric.compile_report()[0]["recompiles"] >= 3
+
+
+def test_fixed_shapes_do_not_warn():
+    fabric = Fabric(accelerator="cpu", compile=EAGER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(fabric, steps=5)
+
+
+@pytest.mark.parametrize(("value", "error", "message"), [
+    ({"mdoe": "max-autotune"}, ValueError, "Did you mean 'mode'"),
+    (7, TypeError, "compile=7"),
+    ("yes", TypeError, "compile='yes'"),
+])
+def test_bad_compile_arguments_are_refused(value, error, message):
+    with pytest.raises(error, match=message):
+        Fabric(accelerator="cpu", compile=value)
+
+
+def test_fabriclite_never_patches_torch_compile():
+    train(Fabric(accelerator="cpu", compile=EAGER))
+    assert torch.compile is ORIGINAL_COMPILE
+
+
+def test_compile_and_kernels_compose_without_graph_breaks(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from fabriclite.kernels import _common
+
+    fabric = Fabric(accelerator="cpu", kernels=True, compile=EAGER)
+    before = _common.LAUNCHES.copy()
+    model = train(fabric, steps=2)
+    assert type(model.module[2]).__name__ != "LayerNorm" or type(model.module[2]) is not nn.LayerNorm
+    launched = {name for name, count in _common.LAUNCHES.items() if count > before.get(name, 0)}
+    assert any("layer_norm" in name for name in launched), launched
+    assert fabric.compile_report()[0]["graph_breaks"] == 0
