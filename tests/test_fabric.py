@@ -158,3 +158,11 @@ def test_kernels_swap_layer_norms_when_triton_can_run(monkeypatch):
     model = fabric.setup(net)
     assert type(model.module[1]) is not torch.nn.LayerNorm
     assert list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("call", ["barrier", "broadcast", "all_gather", "all_reduce"])
+def test_collectives_before_launch_are_refused_under_a_launcher(call):
+    fabric = Fabric(accelerator="cpu", devices=2)
+    args = {"barrier": (), "broadcast": (1,), "all_gather": (torch.ones(1),), "all_reduce": (torch.ones(1),)}[call]
+    with pytest.raises(RuntimeError, match="before fabric.launch"):
+        getattr(fabric, call)(*args)
