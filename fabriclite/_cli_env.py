@@ -23,11 +23,16 @@ FABRIC_DEFAULTS: dict[str, Any] = {
     "precision": None,
 }
 
+
+def _parse_num_nodes(value: Any) -> int:
+    return choices.parse_num_nodes(int(value) if isinstance(value, str) and value.isdigit() else value)
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "accelerator": choices.parse_accelerator,
     "strategy": choices.parse_strategy,
     "devices": choices.parse_devices,
-    "num_nodes": lambda value: choices.parse_num_nodes(int(value) if isinstance(value, str) and value.isdigit() else value),
+    "num_nodes": _parse_num_nodes,  # the environment holds text
     "precision": choices.parse_precision,
 }
 

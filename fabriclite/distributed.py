@@ -6,6 +6,7 @@ Imported only when a strategy with more than one process is chosen, so single-pr
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 from contextlib import nullcontext
@@ -144,6 +145,8 @@ class ParallelStrategy(Strategy):
             dist.init_process_group(
                 backend, init_method="env://", rank=self.global_rank, world_size=self.world_size, timeout=self.timeout
             )
+            # A gloo group still alive when the interpreter exits can abort the process (SIGABRT): close it first.
+            atexit.register(self.teardown)
 
     def teardown(self) -> None:
         if dist.is_initialized():

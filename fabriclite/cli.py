@@ -1,0 +1,284 @@
+"""The ``fabriclite`` command line: ``fabriclite run`` starts a script on several processes or nodes through
+torchrun (``torch.distributed.run``), and ``fabriclite consolidate`` merges a sharded checkpoint into one file.
+
+``run`` does no process management of its own: it checks every setting, exports the ones the script's ``Fabric()``
+reads (see ``fabriclite/_cli_env.py``), turns the rest into torchrun's arguments and calls torchrun in this process,
+so signals reach it directly and a failed rank gives a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from fabriclite import choices
+from fabriclite._cli_env import ENV_PREFIX, FABRIC_DEFAULTS, env_name
+
+# Every setting of `fabriclite run`, as a flag (dashes) and as a --config key (underscores), with its help.
+RUN_SETTINGS: dict[str, str] = {
+    "accelerator": "Hardware for the script's Fabric(): cpu, cuda, gpu, mps or auto (default: auto).",
+    "strategy": "Strategy for the script's Fabric(): auto, ddp, ddp_spawn, fsdp, single_device (default: auto).",
+    "devices": "Processes per node: a count, 'auto' (CPU: 1; CUDA: every visible GPU), -1 (every GPU) or GPU "
+    "indices such as 0,1 (default: auto).",
+    "num_nodes": "Number of machines (default: 1). Start `fabriclite run` once on each, with its --node-rank.",
+    "node_rank": "This machine's rank, 0 .. num_nodes-1 (default: 0).",
+    "main_address": "Address of the node with rank 0, which every node can reach. Required with --num-nodes > 1; "
+    "a single node uses a local rendezvous on a free port when neither this nor --main-port is given.",
+    "main_port": "Port on the main node (default with several nodes: 29500, torchrun's default).",
+    "precision": "Precision for the script's Fabric(), e.g. 32-true, bf16-mixed, 16-mixed, bf16-true "
+    "(default: Fabric's own, 32-true).",
+    "max_restarts": "How often torchrun restarts every process after one failed, before giving up (default: 0).",
+}
+_INT_SETTINGS = ("num_nodes", "node_rank", "main_port", "max_restarts")
+_STR_SETTINGS = ("accelerator", "strategy", "main_address")
+_DEFAULT_MULTI_NODE_PORT = 29500
+
+_RUN_EPILOG = """\
+Settings come from --config FILE.yaml (the same names with underscores, e.g. `num_nodes: 2`), overridden by
+the flags. accelerator, strategy, devices, num_nodes and precision reach the script's Fabric() through
+FABRICLITE_CLI_* environment variables: a Fabric argument left at its default takes the CLI's value, the same
+value spelled differently is accepted, and a different value raises an error naming both.
+
+Options go before the script; everything after the script is passed to it unchanged.
+
+torchrun (torch.distributed.run) starts and watches the processes. When one fails, it stops the others and
+`fabriclite run` exits with the failed process's exit code (128 + N when it died of signal N).
+
+Examples:
+  fabriclite run --accelerator cpu --devices 2 train.py --lr 0.1
+  fabriclite run --config run.yaml --precision bf16-mixed train.py
+  # two machines; on the second one, --node-rank 1:
+  fabriclite run --num-nodes 2 --node-rank 0 --devices 8 --main-address 10.0.0.1 train.py
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``fabriclite`` command. Usage: ``build_parser().parse_args(["run", "x.py"])``."""
+    parser = argparse.ArgumentParser(
+        prog="fabriclite", description="Run fabriclite scripts on several processes or machines."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,consolidate}")
+
+    run = commands.add_parser(
+        "run",
+        help="Start a script on every device of one or several machines, through torchrun.",
+        description="Start SCRIPT once per device on this machine (and join the other machines of a multi-node "
+        "run), through torchrun.",
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("--config", metavar="FILE.yaml", help="YAML file with any of the settings below.")
+    for key, text in RUN_SETTINGS.items():
+        run.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int if key in _INT_SETTINGS else str, help=text)
+    run.add_argument("script", help="The Python script to run in every process.")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments passed on to the script.")
+    run.set_defaults(handler=_run, subparser=run)
+
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="Merge a sharded (FSDP) checkpoint folder into one checkpoint file.",
+        description="Merge the sharded checkpoint that fabric.save wrote under FSDP into a single file that "
+        "torch.load (and a one-process Fabric) can read.",
+    )
+    consolidate.add_argument("sharded_dir", metavar="SHARDED_DIR", help="Folder of the sharded checkpoint.")
+    consolidate.add_argument("out_file", metavar="OUT_FILE", help="The single checkpoint file to write.")
+    consolidate.set_defaults(handler=_consolidate, subparser=consolidate)
+    return parser
+
+
+def check_setting(key: str, value: Any) -> Any:
+    """Return the canonical value of one ``fabriclite run`` setting, or raise a ``ValueError`` saying what is valid.
+
+    Usage: ``check_setting("precision", "BF16-Mixed") == "bf16-mixed"``.
+    """
+    if key not in RUN_SETTINGS:
+        valid = ", ".join(RUN_SETTINGS)
+        raise ValueError(
+            f"Unknown setting {key!r}. Valid settings: {valid}.{choices.did_you_mean(key, list(RUN_SETTINGS))}"
+        )
+    if key in _STR_SETTINGS and not isinstance(value, str):
+        raise ValueError(f"{key}={value!r} must be a string.")
+    if key in _INT_SETTINGS and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{key}={value!r} must be an integer.")
+    parsers = {
+        "accelerator": choices.parse_accelerator,
+        "strategy": choices.parse_strategy,
+        "devices": choices.parse_devices,
+        "num_nodes": choices.parse_num_nodes,
+        "precision": choices.parse_precision,
+    }
+    if key in parsers:
+        return parsers[key](value)
+    if key == "main_address" and not value.strip():
+        raise ValueError(f"main_address={value!r} must name the main node, e.g. 10.0.0.1 or node01.")
+    if key == "main_port" and not 0 < value < 65536:
+        raise ValueError(f"main_port={value} is not a TCP port: expected 1 .. 65535.")
+    if key in ("node_rank", "max_restarts") and value < 0:
+        raise ValueError(f"{key}={value} must be 0 or more.")
+    return value
+
+
+def load_config(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check a ``--config`` YAML file; return its settings in canonical form.
+
+    Usage: ``load_config("run.yaml") == {"devices": 2, "precision": "bf16-mixed"}``.
+    """
+    import yaml  # only `fabriclite run --config` needs it
+
+    path = Path(path)
+    try:
+        content = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ValueError(f"--config {path}: cannot read it ({error.strerror or error}).") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path} is not valid YAML: {error}") from None
+    if content is None:
+        return {}
+    if not isinstance(content, dict):
+        raise ValueError(f"--config {path} must hold a mapping such as `devices: 2`, not {type(content).__name__}.")
+    try:
+        return {key: check_setting(key, value) for key, value in content.items()}
+    except ValueError as error:
+        raise ValueError(f"--config {path}: {error}") from None
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings of one ``fabriclite run``: the config file's, overridden by the flags given, all checked.
+
+    Only settings somebody gave appear. Usage: ``resolve_settings(build_parser().parse_args(["run", "x.py"]))``.
+    """
+    settings = load_config(args.config) if args.config else {}
+    for key in RUN_SETTINGS:
+        value = getattr(args, key)
+        if value is not None:
+            settings[key] = check_setting(key, value)
+    num_nodes = settings.get("num_nodes", 1)
+    node_rank = settings.get("node_rank", 0)
+    if node_rank >= num_nodes:
+        raise ValueError(f"node_rank={node_rank} must be below num_nodes={num_nodes}.")
+    if num_nodes > 1 and "main_address" not in settings:
+        raise ValueError(
+            f"num_nodes={num_nodes} needs --main-address: the address of the node with --node-rank 0, "
+            "reachable from every node."
+        )
+    return settings
+
+
+def torchrun_args(settings: dict[str, Any], processes: int, script: str, script_args: list[str]) -> list[str]:
+    """torchrun's command line for these settings (without the program name).
+
+    Usage: ``torchrun_args({}, 2, "train.py", []) == ["--nproc-per-node=2", "--nnodes=1", "--max-restarts=0",
+    "--standalone", "train.py"]``.
+    """
+    num_nodes = settings.get("num_nodes", 1)
+    args = [
+        f"--nproc-per-node={processes}",
+        f"--nnodes={num_nodes}",
+        f"--max-restarts={settings.get('max_restarts', 0)}",
+    ]
+    if num_nodes == 1 and "main_address" not in settings and "main_port" not in settings:
+        args.append("--standalone")  # a rendezvous on localhost, on a port the OS picks: no race for a free port
+    else:
+        from fabriclite.environment import free_port
+
+        port = settings.get("main_port") or (_DEFAULT_MULTI_NODE_PORT if num_nodes > 1 else free_port())
+        args += [
+            f"--node-rank={settings.get('node_rank', 0)}",
+            f"--master-addr={settings.get('main_address', '127.0.0.1')}",
+            f"--master-port={port}",
+        ]
+    return [*args, script, *script_args]
+
+
+def fabric_environment(settings: dict[str, Any]) -> dict[str, str]:
+    """The ``FABRICLITE_CLI_*`` variables that carry the settings to the script's ``Fabric()``.
+
+    Usage: ``fabric_environment({"devices": [0, 1]}) == {"FABRICLITE_CLI_DEVICES": "0,1"}``.
+    """
+    env = {}
+    for key in FABRIC_DEFAULTS:
+        if key not in settings:
+            continue
+        value = settings[key]
+        if isinstance(value, list):  # "0," is the one-element list; "0" would be zero devices
+            value = ",".join(str(index) for index in value) + ("," if len(value) == 1 else "")
+        env[env_name(key)] = str(value)
+    return env
+
+
+def _launch(args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(args)
+    except ChildFailedError as error:
+        print(error.format_msg(), file=sys.stderr)
+        code = error.get_first_failure()[1].exitcode
+        return code if code > 0 else 128 - code if code < 0 else 1
+    except SignalException as error:  # torchrun stopped the processes; exit as a process killed by it would
+        return 128 + int(error.sigval)
+    return 0
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        settings = resolve_settings(args)
+        if not Path(args.script).is_file():
+            raise ValueError(f"script {args.script!r} does not exist (relative paths start at {os.getcwd()}).")
+        from fabriclite.accelerators import select_accelerator
+
+        # The devices of one node, chosen as the script's Fabric will choose them: one process per device.
+        accelerator = select_accelerator(
+            settings.get("accelerator", FABRIC_DEFAULTS["accelerator"]),
+            settings.get("devices", FABRIC_DEFAULTS["devices"]),
+        )
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))  # exits with code 2; nothing was started
+    processes = len(accelerator.device_indices)
+    if accelerator.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would give every process 1 thread; share the cores out instead, as fabric.launch() does.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
+    for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
+        del os.environ[name]  # a run inside a run must not inherit the outer run's settings
+    os.environ.update(fabric_environment(settings))
+    return _launch(torchrun_args(settings, processes, args.script, args.script_args))
+
+
+def _consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        import fabriclite.fsdp as fsdp
+    except ModuleNotFoundError as error:
+        if error.name != "fabriclite.fsdp":
+            raise
+        fsdp = None
+    consolidate = getattr(fsdp, "consolidate", None)
+    if consolidate is None:
+        parser.error(
+            "this version of fabriclite has no fabriclite.fsdp.consolidate yet; upgrade fabriclite to merge "
+            "sharded checkpoints."
+        )
+    from fabriclite.checkpoint import CheckpointError
+
+    try:
+        consolidate(args.sharded_dir, args.out_file)
+    except (OSError, ValueError, CheckpointError) as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fabriclite`` command; returns the exit code.
+
+    Usage: ``fabriclite run --devices 2 train.py`` in a shell, or ``main(["run", "--devices", "2", "train.py"])``.
+    """
+    args = build_parser().parse_args(argv)
+    return args.handler(args.subparser, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
