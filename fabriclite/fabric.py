@@ -324,7 +324,10 @@ class Fabric:
                 f"precision={self._precision.name!r} scales the loss, and only an optimizer returned by fabric.setup "
                 "unscales the gradients again. Call `model, optimizer = fabric.setup(model, optimizer)` before backward."
             )
-        self._precision.backward(tensor, *args, **kwargs)
+        if self._precision.scaler is None:
+            tensor.backward(*args, **kwargs)
+        else:
+            self._precision.backward(tensor, *args, **kwargs)
 
     def clip_gradients(
         self,

@@ -30,12 +30,11 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-
-    if type(data) is torch.Tensor:  # the common case, without walking a collection
-        return cast(data)
-    return apply_to_collection(data, torch.Tensor, cast)
+    if type(data) is torch.Tensor:  # the common case, one output tensor: no collection walk
+        if not data.is_floating_point() or data.dtype == dtype:
+            return data
+        return data.float() if dtype is torch.float32 else data.to(dtype)  # .float() parses no arguments
+    return apply_to_collection(data, torch.Tensor, _cast_floating, dtype)
 
 
 class _HalfGradScaler(torch.amp.GradScaler):

@@ -156,3 +156,16 @@ def test_no_backward_sync_needs_the_wrapped_model(fabric):
         pass
     with pytest.raises(TypeError, match="fabric.setup"), fabric.no_backward_sync(net):
         pass
+
+
+def test_hooks_registered_on_the_wrapped_model_run(fabric):
+    net = Net()
+    model = fabric.setup(net)
+    seen = []
+    handle = model.register_forward_hook(lambda module, args, out: seen.append(module))
+    model.register_forward_pre_hook(lambda module, args: seen.append("pre"))
+    model(torch.randn(2, 4))
+    assert seen == ["pre", net]
+    handle.remove()
+    model(torch.randn(2, 4))
+    assert seen == ["pre", net, "pre"]
