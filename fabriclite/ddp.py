@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, ContextManager
@@ -28,10 +30,25 @@ class DDPStrategy(ParallelStrategy):
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         self.ddp_kwargs = ddp_kwargs
+        self._wrapped: weakref.WeakSet = weakref.WeakSet()
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        self._wrapped.add(wrapped)
+        return wrapped
+
+    def teardown(self) -> None:
+        # A DDP module keeps the process group (and its gloo threads) alive after destroy_process_group; if those
+        # threads are still running when the interpreter's C++ objects are destroyed, the process aborts. Drop the
+        # references first, so the group really closes.
+        for wrapped in list(self._wrapped):
+            for name in ("logger", "reducer", "process_group"):
+                if name in wrapped.__dict__:
+                    wrapped.__dict__[name] = None
+        self._wrapped.clear()
+        gc.collect()
+        super().teardown()
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager:
         if not enabled:

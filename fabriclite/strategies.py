@@ -4,6 +4,7 @@ the distributed strategies live beside it and are imported only when asked for.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager
@@ -126,6 +127,10 @@ class Strategy:
         self, path: Any, state: dict[str, Any] | None, strict: bool = True, weights_only: bool = True
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Load ``path`` into ``state`` in place; return (what ``state`` did not consume, fabriclite's meta)."""
+        if os.path.isdir(path):  # a sharded checkpoint written under FSDP: read whole into this process's tensors
+            from fabriclite.fsdp import load_sharded_checkpoint
+
+            return load_sharded_checkpoint(path, state, strict, weights_only)
         checkpoint = safe_load(path, weights_only=weights_only)
         if not isinstance(checkpoint, dict):
             raise CheckpointError(
@@ -182,6 +187,10 @@ def select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> 
         from fabriclite.ddp import DDPStrategy
 
         return DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "subprocess")
+    if strategy == "fsdp":  # also on one process: a group of one, so checkpoints and DTensors look the same
+        from fabriclite.fsdp import FSDPStrategy
+
+        return FSDPStrategy()
     raise NotImplementedError(
         f"strategy={strategy!r} is not available yet in this version of fabriclite. "
         "Use strategy='ddp' for several processes, or 'auto'/'single_device' for one."

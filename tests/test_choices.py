@@ -65,9 +65,11 @@ def test_strings_are_case_insensitive():
     assert fabric.world_size == 1
 
 
-def test_fsdp_parses_but_says_not_available_yet():
-    with pytest.raises(NotImplementedError, match="not available yet"):
-        Fabric(accelerator="cpu", strategy="FSDP", devices=2)
+def test_fsdp_selects_the_fsdp_strategy_also_on_one_process():
+    from fabriclite.fsdp import FSDPStrategy
+
+    for devices in (1, 2):
+        assert isinstance(Fabric(accelerator="cpu", strategy="FSDP", devices=devices).strategy, FSDPStrategy)
 
 
 @pytest.mark.parametrize(

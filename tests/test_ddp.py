@@ -91,15 +91,16 @@ def test_ddp_spawn_runs_the_function_and_returns_rank_zeros_result(tmp_path):
 def test_torchrun_launched_processes_are_detected_and_reused(tmp_path):
     script = tmp_path / "elastic.py"
     script.write_text(
+        "import sys\n"
         "from fabriclite import Fabric\n"
         "fabric = Fabric(accelerator='cpu', devices=2)\n"
         "fabric.launch()\n"
-        "print('rank', fabric.global_rank, 'of', fabric.world_size, fabric.strategy.environment.source, flush=True)\n"
+        "line = f'rank {fabric.global_rank} of {fabric.world_size} {fabric.strategy.environment.source}'\n"
+        "open(f'{sys.argv[1]}/rank{fabric.global_rank}.txt', 'w').write(line)\n"  # one file per rank: no interleaving
     )
-    out = run_python(
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), timeout=180
-    ).stdout
-    assert "rank 0 of 2 torchelastic" in out and "rank 1 of 2 torchelastic" in out
+    run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path), timeout=180)
+    assert (tmp_path / "rank0.txt").read_text() == "rank 0 of 2 torchelastic"
+    assert (tmp_path / "rank1.txt").read_text() == "rank 1 of 2 torchelastic"
 
 
 def test_a_world_size_that_does_not_match_devices_is_refused():

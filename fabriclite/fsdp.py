@@ -1,0 +1,620 @@
+"""FSDP2: each rank holds a slice of every parameter, gradient and optimizer state, and gathers a block's full
+weights only while that block runs (``torch.distributed.fsdp.fully_shard``; parameters become DTensors).
+
+Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one). The choices made here:
+
+- Units: by default each block that repeats in an ``nn.ModuleList``/``nn.Sequential`` (transformer blocks) is one
+  ``fully_shard`` unit, then the root takes the rest. After sharding, every rank takes its slice of rank 0's
+  weights, as DDP broadcasts rank 0's.
+- Mixed precision: FSDP casts the parameters to bf16/fp16 before gathering them (half the traffic and the gathered
+  memory), and the precision's autocast stays on around the forward: it finds those weights already in the low
+  dtype, so nothing is cast twice, and it keeps covering what FSDP's cast does not (softmax, norms and losses stay
+  fp32; ops on other fp32 tensors run in the low dtype). Gradients are reduced in fp32 into fp32 shards, and
+  outputs come back in fp32.
+- Optimizers built on the unsharded model are pointed at the shards (same groups, order and hyperparameters).
+- ``init_module(empty_init=True)``: rank 0 builds the model on the CPU, the others on the meta device; each rank's
+  slice then comes from rank 0, so the weights equal a model built on the CPU with the same seed, whatever order its
+  init code draws in, buffers computed in ``__init__`` included.
+- Checkpoints: "sharded" is a directory (every rank writes its shards with ``torch.distributed.checkpoint``, plus
+  ``structure.pt``, the checkpoint with tensors replaced by placeholders, loaded with ``weights_only``); "full" is
+  one file from rank 0 in the form a one-process checkpoint has. Both replace the target atomically and load into
+  any number of processes, with or without FSDP; ``consolidate`` turns a directory into the one-file form.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import tempfile
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fabriclite.checkpoint import (
+    META_KEY,
+    CheckpointError,
+    _fsync_dir,
+    atomic_save,
+    checkpoint_into_state,
+    safe_load,
+    state_to_checkpoint,
+)
+from fabriclite.distributed import ParallelStrategy
+
+# A set of layer classes, or a function telling whether a module is one unit.
+ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bool], None]
+STATE_DICT_TYPES = ("sharded", "full")
+# The file beside DCP's shards that holds the checkpoint's structure (tensors replaced by meta placeholders).
+STRUCTURE_FILE = "structure.pt"
+
+
+class FSDPStrategy(ParallelStrategy):
+    """Fully sharded data parallel with FSDP2 on gloo (CPU) or nccl (CUDA).
+
+    - ``auto_wrap_policy``: the layer classes (or a ``module -> bool`` function) that become sharding units; by
+      default the blocks that repeat in an ``nn.ModuleList``/``nn.Sequential``.
+    - ``activation_checkpointing_policy``: layer classes whose activations are recomputed in backward.
+    - ``mixed_precision``: an FSDP ``MixedPrecisionPolicy``; by default from the Fabric precision ("bf16-mixed":
+      bf16 parameters, fp32 gradient reduction; "16-mixed": fp16 parameters; otherwise none).
+    - ``cpu_offload``: keep the parameter, gradient and optimizer shards in CPU memory.
+    - ``state_dict_type``: "sharded" (a directory, every rank writes its shards) or "full" (one file from rank 0).
+
+    Usage: ``Fabric(devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}), precision="bf16-mixed")``.
+    """
+
+    def __init__(
+        self,
+        auto_wrap_policy: ModulePolicy = None,
+        activation_checkpointing_policy: ModulePolicy = None,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        state_dict_type: str = "sharded",
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: str = "subprocess",
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not supported. Valid choices: 'sharded', 'full'.")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+            raise TypeError(
+                f"mixed_precision={mixed_precision!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy, or None "
+                "to follow the Fabric precision."
+            )
+        self.wrap_policy = _module_policy(auto_wrap_policy, "auto_wrap_policy")
+        self.checkpoint_policy = _module_policy(activation_checkpointing_policy, "activation_checkpointing_policy")
+        self.mixed_precision = mixed_precision
+        self.cpu_offload = bool(cpu_offload)
+        self.reshard_after_forward = reshard_after_forward
+        self.state_dict_type = state_dict_type
+        self.mesh: Any = None
+        # Parameters fully_shard replaced, so optimizers built on the unsharded model can be pointed at the shards:
+        # id(old) -> (old, new), both weak: the full-size originals go with their optimizer, the shards with the model.
+        self._sharded_params: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+
+    def setup_environment(self) -> None:
+        """Join the process group, build the 1-D device mesh, and make the loss scaler agree across ranks."""
+        super().setup_environment()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        if self.precision is not None and self.precision.scaler is not None:
+            self.precision.scaler = _rank_agreeing_scaler(self.precision.scaler)
+
+    # ------------------------------------------------------------------ building and sharding
+    def module_init_context(self, empty_init: bool | None = None) -> ContextManager:
+        """With ``empty_init``, rank 0 builds the model on the CPU and the other ranks on the meta device (no memory);
+        ``setup_module`` then gives every rank its slice of rank 0's weights, which therefore equal a model built on
+        the CPU with the same seed, whatever its init code does."""
+        return _rank_zero_init(self) if empty_init else nullcontext()
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Nothing to do here: ``fully_shard`` moves each shard to the device (or keeps it on the CPU with offload),
+        and the meta tensors of an empty init cannot be moved."""
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` in place: activation checkpointing, then one ``fully_shard`` per unit, then the root;
+        finally every rank takes its slice of rank 0's weights (as DDP broadcasts them)."""
+        if type(module).__name__ == "OptimizedModule":  # compiled by the user: shard the model inside, keep the wrapper
+            self.setup_module(module._orig_mod)
+            return module
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            raise ValueError(
+                f"{type(module).__name__} already contains fully_shard modules; pass fabric.setup the plain model."
+            )
+        rank_zero_meta = self.broadcast(self.is_global_zero and _has_meta(module))
+        if rank_zero_meta:
+            raise ValueError(
+                "The model on rank 0 has parameters or buffers on the meta device, so there are no weights to shard. "
+                "Build it inside `with fabric.init_module(empty_init=True):` (rank 0 then builds it on the CPU, the "
+                "other ranks on the meta device), or load real weights into it before fabric.setup."
+            )
+        # Rank 0's full weights, taken before sharding replaces the parameters (aliases: fully_shard may move the
+        # parameters' data to the device, these stay where the model was built).
+        source = (
+            {name: t.detach() for name, t in _named_tensors(module).items()}
+            if self.is_global_zero and self.world_size > 1
+            else {}
+        )
+        old_params = [(name, weakref.ref(p)) for name, p in module.named_parameters()]
+
+        if self.checkpoint_policy is not None:
+            from torch.distributed._composable import checkpoint
+
+            for block in [m for m in module.modules() if m is not module and self.checkpoint_policy(m)]:
+                checkpoint(block)
+        units = (
+            repeated_blocks(module)
+            if self.wrap_policy is None
+            else [m for m in module.modules() if m is not module and self.wrap_policy(m)]
+        )
+        options = {
+            "mesh": self.mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": self._mixed_precision_policy(),
+            "offload_policy": CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
+            if self.cpu_offload
+            else OffloadPolicy(),
+        }
+        for unit in reversed(units):  # innermost first: a unit's parameters must not be claimed by an outer one
+            fully_shard(unit, **options)
+        fully_shard(module, **options)
+
+        if _has_meta(module):
+            module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
+        if self.world_size > 1:
+            self._copy_from_rank_zero(module, source)
+        new_params = dict(module.named_parameters())
+        for name, old in old_params:
+            if old() is not None:
+                self._sharded_params[id(old())] = (old, weakref.ref(new_params[name]))
+        for optimizer in list(self._optimizers):  # set up before this module: point them at the shards now
+            self._remap_optimizer(optimizer)
+        return module
+
+    def _mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        if self.mixed_precision is not None:
+            return self.mixed_precision
+        name = getattr(self.precision, "name", "32-true")
+        if name == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if name == "16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    @torch.no_grad()
+    def _copy_from_rank_zero(self, module: nn.Module, source: dict[str, torch.Tensor]) -> None:
+        # Rank 0 scatters each parameter's slices and broadcasts each buffer: one full tensor in flight at a time.
+        for name, tensor in _named_tensors(module).items():
+            if isinstance(tensor, DTensor):
+                full = source[name] if self.is_global_zero else torch.empty(tensor.shape, dtype=tensor.dtype)
+                device = tensor.device_mesh.device_type
+                shard = distribute_tensor(full.to(device), tensor.device_mesh, tensor.placements, src_data_rank=0)
+                tensor.to_local().copy_(shard.to_local())
+            else:
+                full = source[name].to(tensor.device) if self.is_global_zero else tensor
+                dist.broadcast(full, src=0)
+                tensor.copy_(full)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point an optimizer built on the unsharded model at the sharded parameters (same groups, same order,
+        same hyperparameters). An optimizer built after ``setup_module`` is already right."""
+        self._remap_optimizer(optimizer)
+        self._optimizers.add(optimizer)
+        return optimizer
+
+    def _remap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        def sharded(param: torch.Tensor) -> torch.Tensor:
+            old, new = self._sharded_params.get(id(param), (None, None))
+            return new() if old is not None and old() is param and new() is not None else param
+
+        groups = [[sharded(p) for p in group["params"]] for group in optimizer.param_groups]
+        changed = any(
+            a is not b for group, new in zip(optimizer.param_groups, groups) for a, b in zip(group["params"], new)
+        )
+        if not changed:
+            return
+        if optimizer.state:
+            raise RuntimeError(
+                "This optimizer already holds state (it has stepped) for the unsharded parameters, which FSDP "
+                "replaced. Call `model = fabric.setup_module(model)`, then build the optimizer on model.parameters(), "
+                "then `optimizer = fabric.setup_optimizers(optimizer)`."
+            )
+        for group, params in zip(optimizer.param_groups, groups):
+            group["params"] = params
+
+    # ------------------------------------------------------------------ the training step
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> ContextManager:
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, FSDPModule):
+            raise TypeError(
+                f"no_backward_sync under FSDP expects the model returned by fabric.setup, got {type(module).__name__}."
+            )
+        return _no_gradient_sync(module)
+
+    def clip_gradients_norm(
+        self, module: nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> torch.Tensor:
+        """Clip by the norm over every shard on every rank, which is the norm of the unsharded gradients."""
+        parameters = [p for p in module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type, foreach=None)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is {norm.item()}, so they cannot be clipped. "
+                "Pass error_if_nonfinite=False to clip anyway."
+            )
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        return norm
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, path: Any, state: Mapping[str, Any], meta: dict[str, Any], filter: Mapping[str, Callable] | None = None
+    ) -> None:
+        """Write ``state`` plus fabriclite's ``meta``: a directory of shards ("sharded") or one file ("full"), both
+        replacing ``path`` atomically, so a crash mid-save leaves the previous checkpoint loadable."""
+        checkpoint = state_to_checkpoint(state, filter)
+        checkpoint[META_KEY] = meta
+        path = Path(path)
+        if self.state_dict_type == "full":
+            full = _map_tensors(checkpoint, lambda _, t: _gathered(t, keep=self.is_global_zero))
+            if self.is_global_zero:
+                _save_file(full, path)
+        else:
+            _save_sharded(checkpoint, path, self)
+        self.barrier("save")
+
+    def load_checkpoint(
+        self, path: Any, state: dict[str, Any] | None, strict: bool = True, weights_only: bool = True
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Load a sharded directory or a full file, saved by any number of ranks, into ``state`` in place."""
+        if Path(path).is_dir():
+            return load_sharded_checkpoint(path, state, strict, weights_only)
+        checkpoint = safe_load(path, weights_only=weights_only)
+        if not isinstance(checkpoint, dict):
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes."
+            )
+        meta = checkpoint.pop(META_KEY, None)
+        if state is None:
+            return checkpoint, meta
+        # Each rank cuts its own slice out of the full tensors: no communication.
+        live = _LiveState(state)
+        checkpoint = _map_tensors(checkpoint, lambda p, t: _slice_like(t, live.tensor(p)))
+        return checkpoint_into_state(checkpoint, state, strict, path), meta
+
+    def __repr__(self) -> str:
+        return f"FSDPStrategy(device={self.root_device}, state_dict_type={self.state_dict_type!r})"
+
+
+# ---------------------------------------------------------------------- choosing the units
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The blocks that repeat: children of an ``nn.ModuleList``/``nn.Sequential`` whose class (with parameters)
+    appears there more than once, outermost only (a block's own layers are not searched).
+
+    Usage: ``repeated_blocks(vit)`` -> the transformer blocks.
+    """
+    blocks: list[nn.Module] = []
+
+    def visit(parent: nn.Module) -> None:
+        repeated: set[type] = set()
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            counts = Counter(type(c) for c in parent.children() if next(c.parameters(), None) is not None)
+            repeated = {cls for cls, n in counts.items() if n > 1}
+        for child in parent.children():
+            if type(child) in repeated:
+                blocks.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return blocks
+
+
+def _module_policy(policy: ModulePolicy, what: str) -> Callable[[nn.Module], bool] | None:
+    if policy is None:
+        return None
+    if isinstance(policy, type):
+        policy = {policy}
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise TypeError(f"{what}={policy!r} must hold nn.Module subclasses, e.g. {{TransformerBlock}}.")
+        return lambda module: isinstance(module, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(f"{what}={policy!r} must be a set of nn.Module classes or a function (module) -> bool.")
+
+
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in _named_tensors(module).values())
+
+
+# ---------------------------------------------------------------------- empty init
+class _ForceDevice(torch.overrides.TorchFunctionMode):
+    """Creates every tensor on ``device``, overriding Fabric's ``torch.device`` context entered inside this one."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        from torch.utils._device import _device_constructors
+
+        self.device = torch.device(device)
+        self.constructors = _device_constructors()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.constructors:
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _rank_zero_init(strategy: FSDPStrategy) -> Iterator[None]:
+    if strategy.world_size > 1 and not dist.is_initialized():
+        raise RuntimeError(
+            "fabric.init_module(empty_init=True) under FSDP needs the processes running: call fabric.launch() first."
+        )
+    rng_before = torch.get_rng_state()
+    with _ForceDevice("cpu" if strategy.is_global_zero else "meta"):
+        yield
+    if strategy.world_size > 1:
+        # Only rank 0 drew its init from the random stream. Ranks that started from the same state continue from
+        # where rank 0 ended, exactly as after an ordinary init on every rank.
+        zero_before, zero_after = strategy.broadcast((rng_before, torch.get_rng_state()))
+        if torch.equal(rng_before, zero_before):
+            torch.set_rng_state(zero_after)
+
+
+# ---------------------------------------------------------------------- the step: gradient sync and loss scaling
+@contextmanager
+def _no_gradient_sync(module: FSDPModule) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _rank_agreeing_scaler(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
+    """The same scaler (same state) whose ``unscale_`` takes the max of found-inf over all ranks, so an overflow in
+    one rank's shard makes every rank skip the step and back off the scale together."""
+    if isinstance(scaler, _RankAgreeing):
+        return scaler
+    cls = type(f"RankAgreeing{type(scaler).__name__}", (_RankAgreeing, type(scaler)), {})
+    agreeing = cls.__new__(cls)
+    agreeing.__dict__.update(scaler.__dict__)
+    return agreeing
+
+
+class _RankAgreeing:
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)  # type: ignore[misc]
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # type: ignore[attr-defined]
+        if not found or not dist.is_initialized():
+            return
+        # One all-reduce per step, on a tensor every rank has (recent torch reduces DTensor found-infs itself too).
+        any_inf = torch.stack([f.to(self._scale.device) for f in found.values()]).amax()  # type: ignore[attr-defined]
+        dist.all_reduce(any_inf, op=dist.ReduceOp.MAX)
+        for value in found.values():
+            value.copy_(any_inf)
+
+
+# ---------------------------------------------------------------------- checkpoint helpers
+def _map_tensors(data: Any, fn: Callable[[tuple, torch.Tensor], Any], path: tuple = ()) -> Any:
+    """``data`` with every tensor replaced by ``fn(path, tensor)``; ``path`` is the tuple of keys leading to it."""
+    if isinstance(data, torch.Tensor):
+        return fn(path, data)
+    if isinstance(data, Mapping):
+        return type(data)({k: _map_tensors(v, fn, (*path, k)) for k, v in data.items()})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_map_tensors(v, fn, (*path, i)) for i, v in enumerate(data)))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_tensors(v, fn, (*path, i)) for i, v in enumerate(data))
+    return data
+
+
+def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()  # a collective: every rank walks the same tensors in the same order
+    return tensor.cpu() if keep else None
+
+
+class _LiveState:
+    """Finds, for a path in a checkpoint, the tensor of the object in ``state`` it will be loaded into: an entry of
+    a module's state dict, or an optimizer's state (which may not exist yet: then a tensor shaped like its parameter,
+    sharded like it)."""
+
+    def __init__(self, state: Mapping[str, Any] | None) -> None:
+        self.state = state or {}
+        self.module_tensors: dict[str, dict[str, torch.Tensor]] = {}
+
+    def tensor(self, path: tuple) -> torch.Tensor | None:
+        if not path or path[0] not in self.state:
+            return None
+        obj, rest = self.state[path[0]], path[1:]
+        if isinstance(obj, nn.Module) and len(rest) == 1:
+            if path[0] not in self.module_tensors:
+                self.module_tensors[path[0]] = obj.state_dict()
+            return self.module_tensors[path[0]].get(rest[0])
+        if isinstance(obj, torch.optim.Optimizer) and len(rest) == 3 and rest[0] == "state":
+            params = [p for group in obj.param_groups for p in group["params"]]
+            index, name = rest[1], rest[2]
+            if not isinstance(index, int) or not 0 <= index < len(params):
+                return None
+            existing = obj.state.get(params[index], {}).get(name)
+            if isinstance(existing, torch.Tensor):
+                return existing
+            return torch.empty_like(params[index].detach())
+        return None
+
+
+def _slice_like(full: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    if not isinstance(live, DTensor) or isinstance(full, DTensor) or full.shape != live.shape:
+        return full
+    device = live.device_mesh.device_type
+    # src_data_rank=None: every rank has the full tensor and keeps its own slice, without communication.
+    return distribute_tensor(full.to(device), live.device_mesh, live.placements, src_data_rank=None)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    if not path.is_dir():
+        atomic_save(obj, path)
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # a sharded checkpoint is there: replace it whole
+    atomic_save(obj, tmp)
+    _replace(tmp, path)
+
+
+def _save_sharded(checkpoint: dict[str, Any], path: Path, strategy: FSDPStrategy) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    tensors: dict[str, torch.Tensor] = {}
+
+    def placeholder(key_path: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        tensors[_tensor_key(len(tensors), key_path)] = tensor
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+    structure = _map_tensors(checkpoint, placeholder)
+    tmp = None
+    if strategy.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a save that was killed
+            _remove(stale)
+        tmp = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+        atomic_save(structure, Path(tmp) / STRUCTURE_FILE)
+    tmp = strategy.broadcast(tmp)
+    dcp.save(tensors, checkpoint_id=tmp)  # every rank writes its own shards; returns once the metadata is written
+    strategy.barrier("save")
+    if strategy.is_global_zero:
+        _fsync_dir(Path(tmp))
+        _replace(Path(tmp), path)
+
+
+def _tensor_key(index: int, path: tuple) -> str:
+    # Unique through the index; the path makes the DCP metadata readable.
+    return f"{index}:" + "/".join(str(p) for p in path)
+
+
+def load_sharded_checkpoint(
+    path: str | os.PathLike, state: dict[str, Any] | None, strict: bool = True, weights_only: bool = True
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Load a sharded checkpoint directory into ``state`` in place, with any number of processes (also one process
+    without FSDP, or with no process group at all); return (what ``state`` did not consume, fabriclite's meta).
+
+    Tensors are read into the live shards of ``state`` where there are some (each rank reads only its slices),
+    else into full tensors. Usage: ``remainder, meta = load_sharded_checkpoint("ckpt/", state)``.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    structure_file = path / STRUCTURE_FILE
+    if not structure_file.exists():
+        raise CheckpointError(
+            f"Checkpoint directory {str(path)!r} has no {STRUCTURE_FILE}; it was not written by fabriclite's "
+            "FSDPStrategy (or the save was interrupted before finishing)."
+        )
+    structure = safe_load(structure_file, weights_only=weights_only)
+    live = _LiveState(state)
+    targets: dict[str, torch.Tensor] = {}
+
+    def target(key_path: tuple, placeholder: torch.Tensor) -> torch.Tensor:
+        tensor = live.tensor(key_path) if state is not None else None
+        if tensor is None or tensor.shape != placeholder.shape:
+            tensor = torch.empty(placeholder.shape, dtype=placeholder.dtype)
+        elif tensor.dtype != placeholder.dtype:
+            tensor = torch.empty_like(tensor, dtype=placeholder.dtype)
+        targets[_tensor_key(len(targets), key_path)] = tensor
+        return tensor
+
+    checkpoint = _map_tensors(structure, target)
+    distributed = dist.is_available() and dist.is_initialized()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+            dcp.load(targets, checkpoint_id=str(path), no_dist=not distributed)
+    except Exception as err:
+        raise CheckpointError(
+            f"Checkpoint directory {str(path)!r} could not be read: it is incomplete or corrupt ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})."
+        ) from err
+    meta = checkpoint.pop(META_KEY, None)
+    if state is None:
+        return checkpoint, meta
+    return checkpoint_into_state(checkpoint, state, strict, path), meta
+
+
+def consolidate(sharded_dir: str | os.PathLike, out_file: str | os.PathLike) -> None:
+    """Turn a sharded checkpoint directory into one file that ``torch.load`` reads, in the same form a "full"
+    checkpoint has (plain tensors; optimizer states keyed by parameter index, as ``optimizer.load_state_dict`` wants).
+
+    Runs in one process, without a process group. Usage: ``consolidate("last.ckpt", "last.pt")`` or
+    ``python -m fabriclite.fsdp consolidate last.ckpt last.pt``.
+    """
+    checkpoint, meta = load_sharded_checkpoint(sharded_dir, None)
+    if meta is not None:
+        checkpoint[META_KEY] = meta
+    atomic_save(checkpoint, out_file)
+
+
+# ---------------------------------------------------------------------- replacing a directory atomically
+_RENAME_EXCHANGE = 2
+
+
+def _replace(new: Path, target: Path) -> None:
+    """Put ``new`` (a file or directory) at ``target``, which at every moment holds either the old or the new."""
+    if not target.exists():
+        os.replace(new, target)
+    elif not _exchange(new, target):
+        # No atomic exchange here (not Linux, or a file system without it): a short window where target is missing.
+        old = new.with_name(new.name + ".old")
+        os.replace(target, old)
+        os.replace(new, target)
+        new = old
+    _fsync_dir(target.parent)
+    _remove(new)  # now the previous checkpoint
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "consolidate":
+        sys.exit("usage: python -m fabriclite.fsdp consolidate SHARDED_DIR OUT_FILE")
+    consolidate(sys.argv[2], sys.argv[3])
+    print(f"wrote {sys.argv[3]}")

@@ -1,0 +1,187 @@
+"""FSDP2 on 2 CPU processes (gloo), started from a plain script as a user would; then loading its checkpoints into
+one process, and a SIGKILL during sharded saves. Each script run carries a timeout."""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from helpers import SCRIPTS, run_python, start_python
+from torch import nn
+
+from fabriclite.fsdp import FSDPStrategy, load_sharded_checkpoint, repeated_blocks
+
+CHECKS = [
+    "parameters are DTensors",
+    "each rank holds about half of the parameters",
+    "the repeated blocks are the sharding units",
+    "an optimizer built before setup steps the shards",
+    "FSDP equals one process on the whole batch",
+    "FSDP equals DDP",
+    "no_backward_sync reduces nothing",
+    "gradients accumulated under no_backward_sync equal the unsharded sum",
+    "clip_gradients returns the unsharded norm",
+    "clip_gradients clips every shard by it",
+    "an optimizer built after setup_module is kept as is",
+    "an optimizer that already stepped is refused with what to do",
+    "empty_init builds on meta on every rank but 0",
+    "empty_init weights equal a normal init with the same seed",
+    "empty_init buffers equal too, also non-persistent ones",
+    "the random stream continues as after a normal init",
+    "a sharded checkpoint is a directory with every rank's shards",
+    "sharded checkpoint restores the step",
+    "sharded: resuming mid-epoch reproduces the weights exactly",
+    "sharded: and the optimizer state",
+    "full checkpoint restores the step",
+    "full: resuming mid-epoch reproduces the weights exactly",
+    "full: and the optimizer state",
+    "a class wrap policy shards those classes",
+    "activation checkpointing and CPU offload train like one process",
+    "bf16-mixed: the blocks run with bf16 weights gathered by FSDP",
+    "bf16-mixed: outputs come back in fp32",
+    "bf16-mixed: close to fp32",
+    "bf16-mixed: gradients are reduced into fp32 shards",
+    "an inf in one rank's shard makes every rank skip",
+    "every rank backs off the scale",
+    "after a skip the next step applies on every rank",
+]
+RANK_ZERO_CHECKS = ["a full checkpoint is one file of plain tensors that torch.load reads"]
+ONE_PROCESS_CHECKS = [
+    "one process without FSDP loads the 2-process full checkpoint",
+    "one process without FSDP loads the 2-process sharded checkpoint",
+    "FSDP on one process loads the 2-process full checkpoint",
+    "FSDP on one process loads the 2-process sharded checkpoint",
+    "consolidate writes the full checkpoint's content",
+]
+
+
+def passed(output):
+    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |\n|$)", output))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp")
+
+
+@pytest.fixture(scope="module")
+def two_process_run(checkpoints):
+    return run_python(str(SCRIPTS / "fsdp_checks.py"), str(checkpoints), timeout=300).stdout
+
+
+@pytest.fixture(scope="module")
+def one_process_run(two_process_run, checkpoints):
+    return run_python(str(SCRIPTS / "fsdp_load_one.py"), str(checkpoints), timeout=180).stdout
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_fsdp_behaviour_on_two_processes(two_process_run, name):
+    assert {("0", name), ("1", name)} <= passed(two_process_run), two_process_run[-2000:]
+
+
+@pytest.mark.parametrize("name", RANK_ZERO_CHECKS)
+def test_fsdp_checkpoint_files_on_rank_zero(two_process_run, name):
+    assert ("0", name) in passed(two_process_run), two_process_run[-2000:]
+
+
+@pytest.mark.parametrize("name", ONE_PROCESS_CHECKS)
+def test_checkpoints_of_two_processes_load_into_one(one_process_run, name):
+    assert ("0", name) in passed(one_process_run), one_process_run[-2000:]
+
+
+def test_consolidate_from_the_command_line_writes_a_file_torch_load_reads(one_process_run, checkpoints):
+    out = checkpoints / "cli.pt"
+    run_python("-m", "fabriclite.fsdp", "consolidate", str(checkpoints / "sharded.ckpt"), str(out), timeout=120)
+    consolidated, full = torch.load(out, weights_only=True), torch.load(checkpoints / "full.ckpt", weights_only=True)
+    assert consolidated["model"].keys() == full["model"].keys()
+    assert all(torch.equal(consolidated["model"][k], full["model"][k]) for k in full["model"])
+    assert consolidated["optimizer"]["state"].keys() == full["optimizer"]["state"].keys() == set(range(len(full["model"])))
+
+
+def test_sigkill_during_sharded_saves_leaves_the_last_checkpoint_loadable(tmp_path):
+    """Two processes save a 64 MB sharded checkpoint over and over; we SIGKILL the run (rank 0; rank 1 dies with
+    it) while a save is being written, load what is there, restart from it, and kill it again."""
+    path = tmp_path / "loop.ckpt"
+    kills_during_write, versions = 0, []
+    for attempt in range(2):
+        child = start_python(str(SCRIPTS / "fsdp_save_forever.py"), str(path))
+        lines, target = [], (versions[-1] if versions else 0) + 2  # at least one save replaced an older one
+        try:
+            for line in child.stdout:
+                lines.append(line.strip())
+                if line.startswith("saved") and int(line.split()[1]) >= target:
+                    break
+            time.sleep(0.05 + 0.1 * attempt)
+            writing = any(name.startswith(".loop.ckpt.tmp-") for name in os.listdir(tmp_path))
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+        pids = [int(pid) for pid in re.findall(r"PID \d (\d+)", "\n".join(lines))]
+        time.sleep(0.5)
+        assert len(pids) == 2 and not any(_alive(pid) for pid in pids), lines
+        kills_during_write += writing
+        checkpoint, _ = load_sharded_checkpoint(path, None)
+        versions.append(checkpoint["version"])
+        assert all(torch.equal(t, torch.full_like(t, versions[-1])) for t in checkpoint["model"].values())
+        if attempt == 1:
+            assert f"resumed {versions[0]}" in lines
+    assert versions[1] > versions[0]
+    assert kills_during_write > 0, "no kill landed while a save was being written; the test proved nothing"
+
+
+def _alive(pid):
+    # A killed rank whose parent died too may stay a zombie until init reaps it: that counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2))
+
+
+def test_default_units_are_the_repeated_blocks_outermost_only():
+    net = Net()
+    assert repeated_blocks(net) == list(net.blocks)
+
+
+def test_default_units_skip_parameterless_repeats_and_single_layers():
+    mlp = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.LayerNorm(3))
+    assert repeated_blocks(mlp) == [mlp[0], mlp[2]]
+    assert repeated_blocks(nn.Linear(2, 2)) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"state_dict_type": "shard"}, ValueError, "Valid choices: 'sharded', 'full'"),
+        ({"auto_wrap_policy": {int}}, TypeError, "must hold nn.Module subclasses"),
+        ({"activation_checkpointing_policy": 3}, TypeError, "set of nn.Module classes or a function"),
+        ({"mixed_precision": "bf16"}, TypeError, "MixedPrecisionPolicy"),
+    ],
+)
+def test_invalid_options_say_what_is_valid(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        FSDPStrategy(**kwargs)
+
+
+def test_a_directory_without_fabriclite_structure_is_refused_by_name(tmp_path):
+    with pytest.raises(RuntimeError, match="structure.pt"):
+        load_sharded_checkpoint(tmp_path, None)
