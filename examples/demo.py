@@ -28,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from fabriclite import Fabric, seed_everything  # noqa: E402
+from fabriclite.metrics import Accuracy  # noqa: E402
 from vit.data import NUM_CLASSES, load_digits_splits  # noqa: E402
 from vit.model import ViT, ViTConfig  # noqa: E402
 from vit.pretrain import DEFAULT_WEIGHTS, EPOCHS as PRETRAIN_EPOCHS, pretrain  # noqa: E402
@@ -62,15 +63,18 @@ def load_pretrained(path: Path, config: ViTConfig, num_classes: int) -> ViT:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader) -> float:
-    """Return the fraction of correctly classified images in `loader`."""
+def evaluate(model: torch.nn.Module, loader: DataLoader, device: torch.device) -> float:
+    """Return the fraction of correctly classified images in `loader` (over all processes).
+
+    fabriclite's Accuracy syncs across processes and skips the samples DistributedSampler repeats to even out
+    the ranks, so two processes report exactly what one would.
+    """
     model.eval()
-    correct = total = 0
+    accuracy = Accuracy(task="multiclass", num_classes=NUM_CLASSES).to(device)
     for images, labels in loader:
-        correct += (model(images).argmax(dim=1) == labels).sum().item()
-        total += labels.numel()
+        accuracy.update(model(images), labels)
     model.train()
-    return correct / total
+    return accuracy.compute().item()
 
 
 def main() -> None:
@@ -80,6 +84,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the fine-tuning")
     parser.add_argument("--precision", default="bf16-mixed", help="e.g. bf16-mixed, 32-true, bf16-true")
     parser.add_argument("--accelerator", default="auto")
+    parser.add_argument("--devices", type=int, default=1, help="processes (CPU) or GPUs; more than 1 uses --strategy")
+    parser.add_argument("--strategy", default="auto", help="auto, ddp or fsdp")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (fabric compile=True)")
+    parser.add_argument("--kernels", action="store_true", help="fabriclite's Triton kernels (CUDA; else unchanged)")
+    parser.add_argument("--save", type=Path, help="save the fine-tuned model here with fabric.save at the end")
+    parser.add_argument("--load", type=Path, help="skip training: load a model saved with --save and test it")
     parser.add_argument(
         "--weights",
         type=Path,
@@ -112,10 +122,28 @@ def main() -> None:
     except ImportError as err:
         sys.exit(str(err))
 
-    fabric = Fabric(accelerator=args.accelerator, precision=args.precision, devices=1)
+    fabric = Fabric(
+        accelerator=args.accelerator,
+        precision=args.precision,
+        devices=args.devices,
+        strategy=args.strategy,
+        compile=args.compile,
+        kernels=args.kernels,
+    )
     fabric.launch()
     seed_everything(args.seed)
     config = ViTConfig()
+
+    if args.load is not None:
+        # A checkpoint from any strategy (one file, or an FSDP sharded folder) loads into this process.
+        model = fabric.setup(ViT(config))
+        fabric.load(args.load, {"model": model})
+        test_loader = fabric.setup_dataloaders(DataLoader(test_set, batch_size=512))
+        fabric.print(f"loaded {args.load}")
+        fabric.print(f"test accuracy: {100 * evaluate(model, test_loader, fabric.device):.1f}%")
+        return
+    if args.devices > 1 and not args.no_pretrained and not args.weights.exists():
+        sys.exit(f"no pretrained weights at {args.weights}: run once with --devices 1 to make them, or --no-pretrained")
 
     pretrain_time = 0.0
     if not args.no_pretrained and not args.weights.exists():
@@ -159,7 +187,7 @@ def main() -> None:
 
     model.train()
     for epoch in range(args.epochs):
-        loss_sum = torch.zeros((), device=fabric.device)
+        loss_sum = torch.zeros((), device=fabric.device)  # this process's share; printed from rank 0
         for images, labels in train_loader:
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
@@ -167,14 +195,17 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             loss_sum += loss.detach() * labels.numel()  # no .item(): on a GPU it would sync every step
-        train_loss = loss_sum.item() / len(train_set)
+        train_loss = fabric.all_reduce(loss_sum, reduce_op="sum").item() / len(train_set)
         fabric.print(
             f"epoch {epoch + 1:2d}/{args.epochs}  train loss {train_loss:.3f}  "
-            f"val accuracy {100 * evaluate(model, val_loader):.1f}%"
+            f"val accuracy {100 * evaluate(model, val_loader, fabric.device):.1f}%"
         )
 
-    test_accuracy = evaluate(model, test_loader)
+    test_accuracy = evaluate(model, test_loader, fabric.device)
     finetune_time = time.perf_counter() - finetune_start
+    if args.save is not None:
+        fabric.save(args.save, {"model": model})
+        fabric.print(f"saved the fine-tuned model to {args.save}")
     fabric.print(f"test accuracy: {100 * test_accuracy:.1f}%")
     parts = f"fine-tuning {finetune_time:.1f} s" + (f", pretraining {pretrain_time:.1f} s" if pretrain_time else "")
     fabric.print(f"time: {time.perf_counter() - START:.1f} s ({parts})")

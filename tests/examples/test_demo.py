@@ -29,3 +29,39 @@ def test_demo_pretrains_saves_loads_and_fine_tunes_well_above_chance(tmp_path):
     # runs are not stable enough: 3 pretraining and 5 fine-tuning epochs ranged from 35% to 89%.)
     assert float(match.group(1)) > 60.0, out
     assert re.search(r"^time: \d+\.\d s \(fine-tuning \d+\.\d s, pretraining \d+\.\d s\)$", out, re.MULTILINE), out
+
+
+def accuracy_in(out):
+    match = re.search(r"^test accuracy: (\d+\.\d)%$", out, re.MULTILINE)
+    assert match, out
+    return float(match.group(1))
+
+
+def test_demo_under_fsdp_on_two_processes_saves_a_checkpoint_that_one_process_loads(tmp_path):
+    checkpoint = tmp_path / "vit.ckpt"
+    common = ["--no-pretrained", "--epochs", "2", "--precision", "32-true"]
+    trained = run_python(DEMO, *common, "--devices", "2", "--strategy", "fsdp", "--save", str(checkpoint), timeout=240)
+    assert checkpoint.is_dir(), "fsdp saves a sharded checkpoint folder by default"
+    loaded = run_python(DEMO, "--load", str(checkpoint), timeout=120)
+    # Same weights; batches of 512 in one process instead of 180 per rank round differently, so an image
+    # on the edge may flip (one image is 0.28 points). A random model scores about 10%.
+    assert abs(accuracy_in(loaded.stdout) - accuracy_in(trained.stdout)) <= 1.0
+    assert accuracy_in(trained.stdout) > 20.0
+
+
+def test_demo_under_ddp_on_two_processes_reports_the_accuracy_of_all_test_images(tmp_path):
+    checkpoint = tmp_path / "vit.ckpt"
+    common = ["--no-pretrained", "--epochs", "2", "--precision", "32-true"]
+    trained = run_python(DEMO, *common, "--devices", "2", "--strategy", "ddp", "--save", str(checkpoint), timeout=240)
+    loaded = run_python(DEMO, "--load", str(checkpoint), timeout=120)  # one process sees every test image once
+    assert abs(accuracy_in(loaded.stdout) - accuracy_in(trained.stdout)) <= 1.0
+    assert accuracy_in(trained.stdout) > 20.0
+
+
+def test_demo_with_compile_and_kernels_on_a_cpu_matches_eager(tmp_path):
+    common = ["--no-pretrained", "--epochs", "2", "--precision", "32-true"]
+    eager = run_python(DEMO, *common, timeout=120)
+    # No Triton interpreter here: kernels=True leaves the model unchanged on the CPU and says so.
+    compiled = run_python(DEMO, *common, "--compile", "--kernels", timeout=300, TRITON_INTERPRET="0")
+    assert "kernels=True" in compiled.stderr
+    assert abs(accuracy_in(compiled.stdout) - accuracy_in(eager.stdout)) <= 1.0
