@@ -162,3 +162,16 @@ def checkpoint_into_state(checkpoint: dict[str, Any], state: dict[str, Any], str
         else:
             state[key] = value
     return checkpoint
+
+
+def read_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Read a file written by ``fabric.save``: (the user's entries, fabriclite's meta or None).
+
+    Usage: ``checkpoint, meta = read_checkpoint("last.ckpt")``.
+    """
+    checkpoint = safe_load(path, weights_only=weights_only)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes."
+        )
+    return checkpoint, checkpoint.pop(META_KEY, None)

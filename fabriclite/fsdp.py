@@ -48,6 +48,7 @@ from fabriclite.checkpoint import (
     _fsync_dir,
     atomic_save,
     checkpoint_into_state,
+    read_checkpoint,
     safe_load,
     state_to_checkpoint,
 )
@@ -286,12 +287,7 @@ class FSDPStrategy(ParallelStrategy):
         """Load a sharded directory or a full file, saved by any number of ranks, into ``state`` in place."""
         if Path(path).is_dir():
             return load_sharded_checkpoint(path, state, strict, weights_only)
-        checkpoint = safe_load(path, weights_only=weights_only)
-        if not isinstance(checkpoint, dict):
-            raise CheckpointError(
-                f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes."
-            )
-        meta = checkpoint.pop(META_KEY, None)
+        checkpoint, meta = read_checkpoint(path, weights_only=weights_only)
         if state is None:
             return checkpoint, meta
         # Each rank cuts its own slice out of the full tensors: no communication.

@@ -14,10 +14,9 @@ import torch
 from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import (
     META_KEY,
-    CheckpointError,
     atomic_save,
     checkpoint_into_state,
-    safe_load,
+    read_checkpoint,
     state_to_checkpoint,
 )
 from fabriclite.precision import Precision
@@ -131,12 +130,7 @@ class Strategy:
             from fabriclite.fsdp import load_sharded_checkpoint
 
             return load_sharded_checkpoint(path, state, strict, weights_only)
-        checkpoint = safe_load(path, weights_only=weights_only)
-        if not isinstance(checkpoint, dict):
-            raise CheckpointError(
-                f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes."
-            )
-        meta = checkpoint.pop(META_KEY, None)
+        checkpoint, meta = read_checkpoint(path, weights_only=weights_only)
         if state is None:
             return checkpoint, meta
         return checkpoint_into_state(checkpoint, state, strict, path), meta
