@@ -108,7 +108,6 @@ class Fabric:
         self._loggers = _as_list(loggers)
         self._launched = False
         self._setup_modules: weakref.WeakSet = weakref.WeakSet()
-        self._optimizers_setup = 0
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
         self._backward_ready = self._precision.scaler is None
 
@@ -287,7 +286,6 @@ class Fabric:
                 f"fabric.setup expects torch.optim.Optimizer objects after the model, got {type(optimizer).__name__}."
             )
         optimizer = self._strategy.setup_optimizer(optimizer)
-        self._optimizers_setup += 1
         self._backward_ready = True
         return _FabricOptimizer(optimizer, self._precision)
 
