@@ -253,8 +253,8 @@ class Fabric:
         forward_module = self._strategy.setup_module(module)
         watch = None
         if kwargs is not None and not user_compiled:
-            # After the strategy's wrapper, as PyTorch recommends (DDP's graph splitting needs it).
-            forward_module = torch.compile(forward_module, **kwargs)
+            # After the strategy's wrapper, as PyTorch recommends (DDP's graph splitting needs it; FSDP per unit).
+            forward_module = self._strategy.compile_module(forward_module, kwargs)
             watch = CompileWatch(type(original).__name__)
             self._compile_watches.append(watch)
         self._setup_modules.add(original)

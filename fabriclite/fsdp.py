@@ -106,6 +106,8 @@ class FSDPStrategy(ParallelStrategy):
         # id(old) -> (old, new), both weak: the full-size originals go with their optimizer, the shards with the model.
         self._sharded_params: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        # setup_module -> compile_module: the units to compile first; weak, so a model dropped later is freed.
+        self._units: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def setup_environment(self) -> None:
         """Join the process group, build the 1-D device mesh, and make the loss scaler agree across ranks."""
@@ -174,6 +176,7 @@ class FSDPStrategy(ParallelStrategy):
         for unit in reversed(units):  # innermost first: a unit's parameters must not be claimed by an outer one
             fully_shard(unit, **options)
         fully_shard(module, **options)
+        self._units[module] = units
 
         if _has_meta(module):
             module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
@@ -185,6 +188,14 @@ class FSDPStrategy(ParallelStrategy):
                 self._sharded_params[id(old())] = (old, weakref.ref(new_params[name]))
         for optimizer in list(self._optimizers):  # set up before this module: point them at the shards now
             self._remap_optimizer(optimizer)
+        return module
+
+    def compile_module(self, module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
+        """Compile each FSDP unit, then the root, in place (``nn.Module.compile``): the modules FSDP hooked stay
+        the same objects, and the units' graphs sit between FSDP's all-gathers."""
+        for unit in self._units.pop(module, []):
+            unit.compile(**kwargs)
+        module.compile(**kwargs)
         return module
 
     def _mixed_precision_policy(self) -> MixedPrecisionPolicy:

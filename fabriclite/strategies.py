@@ -67,6 +67,10 @@ class Strategy:
         """Wrap the module for this strategy's parallelism (DDP, FSDP); the single device returns it as is."""
         return module
 
+    def compile_module(self, module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.nn.Module:
+        """Apply ``torch.compile`` to the (already wrapped) module; strategies with units compile those first."""
+        return torch.compile(module, **kwargs)
+
     def module_to_device(self, module: torch.nn.Module) -> None:
         module.to(self.root_device)
 

@@ -97,7 +97,9 @@ def test_consolidate_from_the_command_line_writes_a_file_torch_load_reads(one_pr
     consolidated, full = torch.load(out, weights_only=True), torch.load(checkpoints / "full.ckpt", weights_only=True)
     assert consolidated["model"].keys() == full["model"].keys()
     assert all(torch.equal(consolidated["model"][k], full["model"][k]) for k in full["model"])
-    assert consolidated["optimizer"]["state"].keys() == full["optimizer"]["state"].keys() == set(range(len(full["model"])))
+    assert (
+        consolidated["optimizer"]["state"].keys() == full["optimizer"]["state"].keys() == set(range(len(full["model"])))
+    )
 
 
 def test_sigkill_during_sharded_saves_leaves_the_last_checkpoint_loadable(tmp_path):
@@ -185,3 +187,14 @@ def test_invalid_options_say_what_is_valid(kwargs, error, match):
 def test_a_directory_without_fabriclite_structure_is_refused_by_name(tmp_path):
     with pytest.raises(RuntimeError, match="structure.pt"):
         load_sharded_checkpoint(tmp_path, None)
+
+
+def test_compile_under_fsdp_compiles_each_block_then_the_root_without_graph_breaks():
+    out = run_python(str(SCRIPTS / "fsdp_compile.py"), timeout=240).stdout
+    for name in (
+        "every block is compiled",
+        "the root is compiled",
+        "no graph breaks",
+        "compiled training equals eager",
+    ):
+        assert f"PASS 0 {name}" in out and f"PASS 1 {name}" in out, out[-2000:]
