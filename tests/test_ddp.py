@@ -39,7 +39,7 @@ SCALER_CHECKS = [
 
 
 def passed(output):
-    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |\n|$)", output))
+    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ ONE_PROCESS_CHECKS = [
 
 
 def passed(output):
-    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |\n|$)", output))
+    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
 
 
 @pytest.fixture(scope="module")

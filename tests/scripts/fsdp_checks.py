@@ -6,6 +6,7 @@ Started as a plain `python fsdp_checks.py OUT_DIR`: fabric.launch() starts the s
 Fabric objects (fp32, bf16-mixed, 16-mixed, a configured FSDPStrategy) share the two processes, to start once.
 """
 
+import os
 import copy
 import gc
 import sys
@@ -41,7 +42,7 @@ def main():
     def check(name, condition, detail=""):
         if not condition:
             raise AssertionError(f"rank {rank}: {name} failed {detail}")
-        print(f"PASS {rank} {name}", flush=True)
+        os.write(1, f"PASS {rank} {name}\n".encode())  # one write: ranks share the pipe
 
     torch.manual_seed(1)
     xs, ys = torch.randn(6, 8, 4, 8), torch.randint(0, 3, (6, 8))  # [step, global batch, ...]
@@ -64,7 +65,9 @@ def main():
         "the repeated blocks are the sharding units",
         all(isinstance(b, FSDPModule) for b in model.module.blocks)
         and isinstance(model.module, FSDPModule)
-        and not any(isinstance(m, FSDPModule) for m in (model.module.embed, model.module.head, *model.module.blocks[0].mlp)),
+        and not any(
+            isinstance(m, FSDPModule) for m in (model.module.embed, model.module.head, *model.module.blocks[0].mlp)
+        ),
     )
     check(
         "an optimizer built before setup steps the shards",
@@ -98,18 +101,28 @@ def main():
     (F.cross_entropy(reference(xs[3]), ys[3]) + F.cross_entropy(reference(xs[4]), ys[4])).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.module.named_parameters()}
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-    check("gradients accumulated under no_backward_sync equal the unsharded sum", same(grads, ref_grads, atol=1e-5), {k: (grads[k] - ref_grads[k]).abs().max().item() for k in grads})
+    check(
+        "gradients accumulated under no_backward_sync equal the unsharded sum",
+        same(grads, ref_grads, atol=1e-5),
+        {k: (grads[k] - ref_grads[k]).abs().max().item() for k in grads},
+    )
     norm = fabric.clip_gradients(model, optimizer, max_norm=0.05)
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.05)
     check("clip_gradients returns the unsharded norm", torch.allclose(norm, ref_norm, rtol=1e-5), f"{norm} {ref_norm}")
     grads = {n: p.grad.full_tensor() for n, p in model.module.named_parameters()}
-    check("clip_gradients clips every shard by it", same(grads, {n: p.grad for n, p in reference.named_parameters()}, 1e-6))
+    check(
+        "clip_gradients clips every shard by it",
+        same(grads, {n: p.grad for n, p in reference.named_parameters()}, 1e-6),
+    )
     optimizer.zero_grad()
 
     # ---------------------------------------------------------------- optimizers built at other times
     fresh = fabric.setup_module(ViT())
     late = fabric.setup_optimizers(torch.optim.SGD(fresh.parameters(), lr=0.1))
-    check("an optimizer built after setup_module is kept as is", late.param_groups[0]["params"][0] is next(fresh.parameters()))
+    check(
+        "an optimizer built after setup_module is kept as is",
+        late.param_groups[0]["params"][0] is next(fresh.parameters()),
+    )
     stepped = ViT()
     stale = torch.optim.SGD(stepped.parameters(), lr=0.1, momentum=0.9)
     stepped(xs[0, mine]).sum().backward()
@@ -147,7 +160,6 @@ def main():
     state = {"model": net, "optimizer": opt, "scheduler": scheduler, "loader": loader, "step": 0}
     sharded_dir, full_file = out / "sharded.ckpt", out / "full.ckpt"
 
-
     def train_epoch(save_at=None):
         for x, y in loader:
             x = x + 0.01 * torch.randn_like(x)  # draws from the random stream, so a wrong restore shows
@@ -162,7 +174,6 @@ def main():
                 fabric.strategy.state_dict_type = "full"
                 fabric.save(full_file, state)
 
-
     train_epoch(save_at=3)
     finished = full(net)
     finished_optimizer = {k: v.full_tensor() for k, v in opt.state[next(net.parameters())].items() if k != "step"}
@@ -171,7 +182,8 @@ def main():
         raw = torch.load(full_file, weights_only=True)
         check(
             "a full checkpoint is one file of plain tensors that torch.load reads",
-            type(raw["model"]["head.weight"]) is torch.Tensor and sorted(raw["optimizer"]["state"]) == list(range(len(raw["model"]))),
+            type(raw["model"]["head.weight"]) is torch.Tensor
+            and sorted(raw["optimizer"]["state"]) == list(range(len(raw["model"]))),
         )
     for path in (sharded_dir, full_file):
         fabric.load(path, state)
@@ -202,7 +214,10 @@ def main():
         F.cross_entropy(reference(xs[step]), ys[step]).backward()
         ref_optimizer.step()
     check("a class wrap policy shards those classes", all(isinstance(b, FSDPModule) for b in model.module.blocks))
-    check("activation checkpointing and CPU offload train like one process", same(full(model), reference.state_dict(), 1e-5))
+    check(
+        "activation checkpointing and CPU offload train like one process",
+        same(full(model), reference.state_dict(), 1e-5),
+    )
 
     # ---------------------------------------------------------------- bf16-mixed
     mixed = Fabric(accelerator="cpu", devices=2, strategy="fsdp", precision="bf16-mixed")
@@ -217,7 +232,10 @@ def main():
     check("bf16-mixed: outputs come back in fp32", output.dtype == torch.float32)
     check("bf16-mixed: close to fp32", torch.allclose(output, reference(xs[0, mine]), atol=5e-2))
     output.sum().backward()
-    check("bf16-mixed: gradients are reduced into fp32 shards", all(p.grad.dtype == torch.float32 for p in model.parameters()))
+    check(
+        "bf16-mixed: gradients are reduced into fp32 shards",
+        all(p.grad.dtype == torch.float32 for p in model.parameters()),
+    )
 
     # ---------------------------------------------------------------- 16-mixed: every rank skips the same step
     scaled = Fabric(accelerator="cpu", devices=2, strategy="fsdp", precision="16-mixed")
@@ -241,7 +259,7 @@ def main():
     sgd.step()
     moved = any(not torch.equal(p.to_local(), q) for p, q in zip(net.parameters(), local_before))
     check("after a skip the next step applies on every rank", scaled.all_gather(torch.tensor(moved)).all())
-    print(f"DONE {rank}", flush=True)
+    os.write(1, f"DONE {rank}\n".encode())
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ class Block(nn.Module):
 
 
 class ViT(nn.Module):
-    def __init__(self, dim: int = 16, depth: int = 3, tokens: int = 4, patch: int = 8, classes: int = 3,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self, dim: int = 16, depth: int = 3, tokens: int = 4, patch: int = 8, classes: int = 3, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         self.embed = nn.Linear(patch, dim)
         self.position = nn.Parameter(torch.zeros(1, tokens, dim))
