@@ -186,8 +186,13 @@ def select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> 
 
         return DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "subprocess")
     if strategy == "fsdp":  # also on one process: a group of one, so checkpoints and DTensors look the same
-        from fabriclite.fsdp import FSDPStrategy
-
+        try:
+            from fabriclite.fsdp import FSDPStrategy
+        except ImportError as err:  # FSDP2's public fully_shard arrived in torch 2.6
+            raise RuntimeError(
+                f"strategy='fsdp' uses FSDP2 (torch.distributed.fsdp.fully_shard), which needs torch >= 2.6; this is "
+                f"torch {torch.__version__} ({err}). Upgrade torch, or use strategy='ddp'."
+            ) from err
         return FSDPStrategy()
     raise NotImplementedError(
         f"strategy={strategy!r} is not available yet in this version of fabriclite. "
