@@ -55,3 +55,10 @@ def start_python(*args: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(**env)
     )
+
+
+def sigkill(child: subprocess.Popen) -> None:
+    """SIGKILL a child from ``start_python`` (unless it already ended) and reap it; for ``finally`` blocks."""
+    if child.poll() is None:
+        child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)

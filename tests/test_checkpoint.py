@@ -1,12 +1,11 @@
 import os
 import random
-import signal
 import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import SCRIPTS, start_python
+from helpers import SCRIPTS, sigkill, start_python
 from torch import nn
 
 from fabriclite import Fabric
@@ -163,12 +162,8 @@ def test_sigkill_during_save_never_leaves_a_broken_checkpoint(tmp_path):
             assert child.stdout.readline().strip() == "saved", "the child must finish one save first"
             time.sleep(0.05 + 0.07 * attempt)
             writing = any(name.endswith(".tmp") for name in os.listdir(tmp_path))
-            child.send_signal(signal.SIGKILL)
-            child.wait(timeout=30)
         finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=30)
+            sigkill(child)
         kills_during_write += writing
         checkpoint = safe_load(path)
         value = checkpoint["version"]

@@ -3,12 +3,11 @@ one process, and a SIGKILL during sharded saves. Each script run carries a timeo
 
 import os
 import re
-import signal
 import time
 
 import pytest
 import torch
-from helpers import SCRIPTS, run_python, start_python
+from helpers import SCRIPTS, run_python, sigkill, start_python
 from torch import nn
 
 from fabriclite.fsdp import FSDPStrategy, load_sharded_checkpoint, repeated_blocks
@@ -117,12 +116,8 @@ def test_sigkill_during_sharded_saves_leaves_the_last_checkpoint_loadable(tmp_pa
                     break
             time.sleep(0.05 + 0.1 * attempt)
             writing = any(name.startswith(".loop.ckpt.tmp-") for name in os.listdir(tmp_path))
-            child.send_signal(signal.SIGKILL)
-            child.wait(timeout=30)
         finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=30)
+            sigkill(child)
         pids = [int(pid) for pid in re.findall(r"PID \d (\d+)", "\n".join(lines))]
         time.sleep(0.5)
         assert len(pids) == 2 and not any(_alive(pid) for pid in pids), lines

@@ -1,15 +1,13 @@
 """A run SIGKILLed between checkpoints and resumed, twice, must end bit-identical to a run never interrupted."""
 
-import signal
-
 import pytest
 import torch
-from helpers import SCRIPTS, run_python, start_python
+from helpers import SCRIPTS, run_python, sigkill, start_python
 
 SCRIPT = str(SCRIPTS / "resumable_train.py")
 
 
-def run_until_step(args, step, timeout=120):
+def run_until_step(args, step):
     """Start the script, read its output until it prints "step {step}", SIGKILL it; return the lines it printed."""
     child = start_python(SCRIPT, *args)
     lines = []
@@ -17,13 +15,9 @@ def run_until_step(args, step, timeout=120):
         for line in child.stdout:
             lines.append(line.strip())
             if line.strip() == f"step {step}":
-                child.send_signal(signal.SIGKILL)
                 break
-        child.wait(timeout=timeout)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
+        sigkill(child)
     assert f"step {step}" in lines, f"the script never reached step {step}: {lines[-5:]}"
     return lines
 
