@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import weakref
 from contextlib import nullcontext
 from datetime import timedelta
@@ -47,7 +46,6 @@ class DDPStrategy(ParallelStrategy):
                 if name in wrapped.__dict__:
                     wrapped.__dict__[name] = None
         self._wrapped.clear()
-        gc.collect()
         super().teardown()
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager:

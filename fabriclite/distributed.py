@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import atexit
 import copy
+import gc
 import os
+import sys
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, ContextManager, Iterator
@@ -149,8 +151,17 @@ class ParallelStrategy(Strategy):
             atexit.register(self.teardown)
 
     def teardown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        # Objects still holding the group (compiled graphs, device meshes, reference cycles) would keep its gloo
+        # threads alive into interpreter finalization, where destroying them can abort the process. Release them
+        # while the interpreter is still whole.
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:
+            dynamo.reset()
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
 
     # Data.
     def process_dataloader(self, dataloader: DataLoader, use_distributed_sampler: bool) -> DataLoader:

@@ -64,6 +64,8 @@ class SubprocessLauncher:
     def __init__(self, processes: int) -> None:
         self.processes = processes
         self.children: list[subprocess.Popen] = []
+        self._killing = False  # set once this process stops the children itself: their deaths are then expected
+        self._reported: set[int] = set()
 
     def start(self) -> None:
         """Start the other processes (only in the process the user started) and put this one's rank in its env."""
@@ -95,12 +97,9 @@ class SubprocessLauncher:
             for child in self.children:
                 code = child.poll()
                 if code not in (None, 0):
-                    print(
-                        f"fabriclite: process {self.children.index(child) + 1} exited with code {code}; "
-                        "stopping the other processes.",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    if self._killing:
+                        return  # this process is already stopping them (after its own error)
+                    self._report(child, code, "stopping the other processes")
                     self.kill_children()
                     os._exit(code if code > 0 else 1)
             if all(child.poll() == 0 for child in self.children):
@@ -108,6 +107,12 @@ class SubprocessLauncher:
             time.sleep(0.2)
 
     def kill_children(self) -> None:
+        if not self._killing:
+            for child in self.children:  # name those that failed on their own, before this process stops the rest
+                code = child.poll()
+                if code not in (None, 0):
+                    self._report(child, code, "stopping the other processes")
+        self._killing = True
         for child in self.children:
             if child.poll() is None:
                 child.kill()
@@ -117,11 +122,19 @@ class SubprocessLauncher:
             except subprocess.TimeoutExpired:
                 pass
 
+    def _report(self, child: subprocess.Popen, code: int, action: str) -> None:
+        if self._killing or child.pid in self._reported:
+            return
+        self._reported.add(child.pid)
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"fabriclite: process {self.children.index(child) + 1} {how}; {action}.", file=sys.stderr, flush=True)
+
     def _wait_for_children(self) -> None:
-        codes = [child.wait() for child in self.children]
-        failed = [code for code in codes if code != 0]
-        if failed:
-            os._exit(failed[0] if failed[0] > 0 else 1)
+        for child in self.children:
+            code = child.wait()
+            if code != 0:
+                self._report(child, code, "this run failed")
+                os._exit(code if code > 0 else 1)
 
 
 def _spawn_entry(

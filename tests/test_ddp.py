@@ -62,12 +62,21 @@ def pid_alive(pid):
     return subprocess.run(["kill", "-0", str(pid)], capture_output=True, check=False).returncode == 0
 
 
-@pytest.mark.parametrize(("mode", "within"), [("crash", 60), ("hang", 60)])
-def test_a_failing_or_hanging_rank_stops_the_run_with_an_error_and_no_orphans(mode, within):
+@pytest.mark.parametrize(
+    ("mode", "within", "message"),
+    [
+        ("crash", 60, "RuntimeError: rank 1 fails on purpose"),
+        ("kill", 60, "process 1 was killed by SIGKILL; stopping the other processes"),
+        ("hang", 60, ""),
+        ("late", 60, "process 1 exited with code 3; this run failed"),
+    ],
+)
+def test_a_failing_or_hanging_rank_stops_the_run_with_an_error_and_no_orphans(mode, within, message):
     start = time.monotonic()
     result = run_python(str(SCRIPTS / "ddp_failures.py"), mode, timeout=120, check=False)
     elapsed = time.monotonic() - start
     assert result.returncode != 0
+    assert message in result.stderr
     assert "unreachable" not in result.stdout
     assert elapsed < within
     pids = [int(pid) for pid in re.findall(r"PID \d (\d+)", result.stdout)]

@@ -1,7 +1,9 @@
-"""A 2-process run in which one rank fails: "crash" raises on rank 1, "hang" stalls rank 1 forever while rank 0
-waits in a collective with a 3 s timeout. Each process prints its PID first, so the test can look for orphans."""
+"""A 2-process run in which one rank fails: "crash" raises on rank 1, "kill" SIGKILLs rank 1, "hang" stalls rank 1
+forever while rank 0 waits in a collective with a 3 s timeout, and "late" lets rank 0 finish while rank 1 exits with
+code 3 afterwards. Each process prints its PID first, so the test can look for orphans."""
 
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -16,7 +18,14 @@ fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timed
 fabric.launch()
 print(f"PID {fabric.global_rank} {os.getpid()}", flush=True)
 fabric.barrier()
+if mode == "late":
+    if fabric.global_rank == 1:
+        time.sleep(1)
+        sys.exit(3)
+    sys.exit(0)
 if fabric.global_rank == 1:
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "crash":
         raise RuntimeError("rank 1 fails on purpose")
     time.sleep(3600)
