@@ -1,5 +1,6 @@
 """The ``fabriclite`` command line: ``fabriclite run`` starts a script on several processes or nodes through
-torchrun (``torch.distributed.run``), and ``fabriclite consolidate`` merges a sharded checkpoint into one file.
+torchrun (``torch.distributed.run``), ``fabriclite consolidate`` merges a sharded checkpoint into one file, and
+``fabriclite plot`` draws the metrics of CSVLogger runs side by side.
 
 ``run`` does no process management of its own: it checks every setting, exports the ones the script's ``Fabric()``
 reads (see ``fabriclite/_cli_env.py``), turns the rest into torchrun's arguments and calls torchrun in this process,
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fabriclite", description="Run fabriclite scripts on several processes or machines."
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,consolidate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,consolidate,plot}")
 
     run = commands.add_parser(
         "run",
@@ -86,6 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("sharded_dir", metavar="SHARDED_DIR", help="Folder of the sharded checkpoint.")
     consolidate.add_argument("out_file", metavar="OUT_FILE", help="The single checkpoint file to write.")
     consolidate.set_defaults(handler=_consolidate, subparser=consolidate)
+
+    plot = commands.add_parser(
+        "plot",
+        help="Draw the metrics that CSVLogger wrote, one line per run, to compare runs.",
+        description="Draw every metric of one or more CSVLogger runs (their metrics.csv) in its own subplot, with "
+        "one line per run, into an image.",
+        epilog="Examples:\n  fabriclite plot logs/gpt -o curves.png\n"
+        "  fabriclite plot logs/gpt/version_0 logs/gpt/version_3 -o cmp.svg --metrics loss,accuracy",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plot.add_argument(
+        "logdirs",
+        nargs="+",
+        metavar="LOGDIR",
+        help="A metrics.csv file, a version_N folder, or any folder above: every metrics.csv below it is one run.",
+    )
+    plot.add_argument("-o", "--output", required=True, metavar="FILE", help="The image to write: .png, .pdf or .svg.")
+    plot.add_argument("--metrics", help="Comma-separated metrics to draw (default: every numeric column).")
+    plot.add_argument("--x", default="step", help="The column for the x axis (default: step).")
+    plot.set_defaults(handler=_plot, subparser=plot)
     return parser
 
 
@@ -267,6 +288,19 @@ def _consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     try:
         consolidate(args.sharded_dir, args.out_file)
     except (OSError, ValueError, CheckpointError) as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+    return 0
+
+
+def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fabriclite.plot import plot_runs
+
+    metrics = None if args.metrics is None else [name.strip() for name in args.metrics.split(",") if name.strip()]
+    try:
+        plot_runs(args.logdirs, args.output, metrics=metrics, x=args.x)
+    except ValueError as error:
+        parser.error(str(error))  # exits with code 2, like every other bad argument
+    except (ImportError, OSError) as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
     return 0
 
