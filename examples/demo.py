@@ -20,7 +20,6 @@ START = time.perf_counter()  # before the heavy imports: "total" is what the per
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
-from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -30,36 +29,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 from fabriclite import Fabric, seed_everything  # noqa: E402
 from fabriclite.metrics import Accuracy  # noqa: E402
 from vit.data import NUM_CLASSES, load_digits_splits  # noqa: E402
-from vit.model import ViT, ViTConfig  # noqa: E402
+from vit.model import ViT, ViTConfig, load_pretrained  # noqa: E402
 from vit.pretrain import DEFAULT_WEIGHTS, EPOCHS as PRETRAIN_EPOCHS, pretrain  # noqa: E402
-
-
-def load_pretrained(path: Path, config: ViTConfig, num_classes: int) -> ViT:
-    """Build a ViT from a pretrained state dict (.pt or .safetensors) and give it a fresh head.
-
-    Usage: ``model = load_pretrained(Path("vit_pretrained.pt"), ViTConfig(), num_classes=10)``.
-    """
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            sys.exit(f"{path} is a safetensors file: `pip install safetensors` to read it, or pass a .pt file.")
-        state = load_file(str(path))
-    else:
-        # weights_only: unpickling can run arbitrary code, and a state dict needs nothing but tensors.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-
-    # The pretraining head has as many outputs as its task needed; build the model to match the file
-    # exactly, so that a strict load catches weights made for another architecture.
-    if "head.weight" not in state:
-        sys.exit(f"{path} has no 'head.weight': it is not a state dict of examples/vit/model.py's ViT.")
-    model = ViT(replace(config, num_classes=state["head.weight"].shape[0]))
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        sys.exit(f"{path} does not fit {config}:\n{err}\nDelete the file to pretrain again, or pass --weights.")
-    model.reset_head(num_classes)
-    return model
 
 
 @torch.no_grad()

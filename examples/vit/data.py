@@ -36,14 +36,15 @@ def _import_sklearn_digits():
 
 
 def load_digits_splits(
-    seed: int = SPLIT_SEED,
+    seed: int = SPLIT_SEED, train_per_class: int | None = None
 ) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
     """Return the digits as (train, val, test) TensorDatasets of (image, label) pairs.
 
     Images are float32 tensors of shape (N, 1, 8, 8) scaled to [0, 1]; labels are int64 in 0..9.
-    The 70/10/20 split is stratified by class and depends only on `seed`.
+    The 70/10/20 split is stratified by class and depends only on `seed`. With `train_per_class`, the
+    training split keeps only that many labelled images of each class (the first ones of the split).
 
-    Usage: ``train, val, test = load_digits_splits()``
+    Usage: ``train, val, test = load_digits_splits(train_per_class=20)``
     """
     load_digits, train_test_split = _import_sklearn_digits()
     digits = load_digits()
@@ -57,6 +58,13 @@ def load_digits_splits(
     train_x, val_x, train_y, val_y = train_test_split(
         rest_x, rest_y, test_size=VAL_FRACTION / (1 - TEST_FRACTION), stratify=rest_y, random_state=seed
     )
+
+    if train_per_class is not None:
+        if train_per_class < 1:
+            raise ValueError(f"train_per_class must be at least 1, got {train_per_class}")
+        keep = np.concatenate([np.flatnonzero(train_y == label)[:train_per_class] for label in range(NUM_CLASSES)])
+        keep.sort()
+        train_x, train_y = train_x[keep], train_y[keep]
 
     def to_dataset(x: np.ndarray, y: np.ndarray) -> TensorDataset:
         return TensorDataset(torch.from_numpy(x), torch.from_numpy(y))

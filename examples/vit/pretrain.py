@@ -12,6 +12,7 @@ Only the training split's images are used, so the test images stay unseen until 
 Usage:
     python examples/vit/pretrain.py                         # writes examples/vit/weights/vit_pretrained.pt
     python examples/vit/pretrain.py --epochs 5 --out /tmp/vit.pt
+    python examples/vit/pretrain.py --series               # the numbered scripts' larger ViT
 or from Python:
     from vit.pretrain import pretrain
     pretrain(fabric, path)  # fabric: a launched fabriclite.Fabric
@@ -36,9 +37,10 @@ if __package__ in (None, ""):  # run as a script: make the `vit` package (this f
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vit.data import load_digits_splits  # noqa: E402
-from vit.model import ViT, ViTConfig  # noqa: E402
+from vit.model import SERIES_CONFIG, ViT, ViTConfig  # noqa: E402
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "vit_pretrained.pt"
+SERIES_WEIGHTS = DEFAULT_WEIGHTS.with_name("vit_series_pretrained.pt")
 # The head maps the CLS features into the space where twins are compared; fine-tuning replaces it.
 PROJECTION_DIM = 64
 # Picked by accuracy after fine-tuning: temperature 0.2 or 1.0, batches of 64 or 256 all did worse,
@@ -153,7 +155,14 @@ def pretrain(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS, help="where to write the state dict")
+    parser.add_argument(
+        "--series",
+        action="store_true",
+        help="the larger ViT of the numbered scripts 00-09 (default out: " + str(SERIES_WEIGHTS.name) + ")",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="where to write the state dict (default: " + DEFAULT_WEIGHTS.name + ")"
+    )
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     parser.add_argument("--lr", type=float, default=LEARNING_RATE)
@@ -168,7 +177,9 @@ def main() -> None:
     fabric.launch()
     seed_everything(args.seed)
     start = time.perf_counter()
-    path = pretrain(fabric, args.out, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr)
+    config, default_out = (SERIES_CONFIG, SERIES_WEIGHTS) if args.series else (ViTConfig(), DEFAULT_WEIGHTS)
+    out = args.out or default_out
+    path = pretrain(fabric, out, config, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr)
     fabric.print(f"saved pretrained weights to {path} ({time.perf_counter() - start:.1f} s)")
 
 

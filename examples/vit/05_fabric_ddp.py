@@ -1,0 +1,68 @@
+"""05: 04 on 2 devices with DDP: each process trains on its half of every epoch, and gradients are averaged.
+
+`python 05_fabric_ddp.py` starts the second process itself (fabric.launch re-runs the script); on a GPU
+machine each process gets a GPU, on a CPU each gets its share of the cores. The test accuracy counts every
+test image exactly once: the samples DistributedSampler repeats to even out the ranks are left out.
+
+Usage: python examples/vit/05_fabric_ddp.py [--epochs 10] [--devices 2]
+"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, so that `import vit` finds this folder
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from fabriclite import Fabric
+from fabriclite.metrics import Accuracy
+from vit.data import NUM_CLASSES, load_digits_splits
+from vit.model import SERIES_CONFIG, load_pretrained
+from vit.series import parse_args, results
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    model.eval()
+    accuracy = Accuracy(task="multiclass", num_classes=NUM_CLASSES).to(device)
+    for images, labels in loader:
+        accuracy.update(model(images), labels)
+    model.train()
+    return accuracy.compute().item()
+
+
+def main():
+    args = parse_args(__doc__, devices=2)
+    torch.manual_seed(args.seed)
+    fabric = Fabric(accelerator="auto", devices=args.devices, strategy="ddp", precision="bf16-mixed")
+    fabric.launch()
+
+    train_set, val_set, test_set = load_digits_splits(train_per_class=args.labels)
+    model = load_pretrained(args.weights, SERIES_CONFIG, NUM_CLASSES)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model, optimizer = fabric.setup(model, optimizer)
+
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+    val_loader = DataLoader(val_set, batch_size=512)
+    test_loader = DataLoader(test_set, batch_size=512)
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)
+
+    start = time.perf_counter()
+    for epoch in range(args.epochs):
+        for images, labels in train_loader:
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+        val_accuracy = evaluate(model, val_loader, fabric.device)
+        fabric.print(f"epoch {epoch + 1}/{args.epochs}  loss {loss.item():.3f}  val acc {100 * val_accuracy:.1f}%")
+    seconds = time.perf_counter() - start
+
+    fabric.print(results(seconds, fabric.device, evaluate(model, test_loader, fabric.device)))
+
+
+if __name__ == "__main__":
+    main()
