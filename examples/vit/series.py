@@ -4,6 +4,9 @@
 - ``one_device``: the device of the plain PyTorch scripts, which run one process.
 - ``results``: the lines each script ends with: time, peak memory, test accuracy, and one machine-readable
   ``RESULT {...}`` line that run_all.py collects into results.md.
+
+The scripts repeat their loop and their evaluate() on purpose: each is a whole program to read top to bottom,
+and the diff between two neighbours is the step they demonstrate (tests/examples/test_vit_series.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from vit.pretrain import SERIES_WEIGHTS
 EPOCHS = 10
 LABELS_PER_CLASS = 20
 BATCH_SIZE = 64
-# Constant for scripts 00-06 (as in the talk's scripts); 07 adds a schedule around the same peak.
+# Constant for scripts 00-06 and 08-09; 07's schedule peaks at 5x this after a warmup.
 LEARNING_RATE = 2e-4
 CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "vit_08.ckpt"
 
