@@ -126,7 +126,11 @@ class SubprocessLauncher:
         if self._killing or child.pid in self._reported:
             return
         self._reported.add(child.pid)
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        if code < 0:
+            known = -code in {member.value for member in signal.Signals}
+            how = f"was killed by {signal.Signals(-code).name if known else f'signal {-code}'}"
+        else:
+            how = f"exited with code {code}"
         print(f"fabriclite: process {self.children.index(child) + 1} {how}; {action}.", file=sys.stderr, flush=True)
 
     def _wait_for_children(self) -> None:
