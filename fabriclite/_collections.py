@@ -17,14 +17,24 @@ def apply_to_collection(
     Handles dicts (and other mappings with a dict-like constructor), lists, tuples, namedtuples and dataclasses
     are returned as they are; anything else is passed through untouched.
     """
+    return _walk(data, dtype, lambda _, value: function(value, *args, **kwargs), ())
+
+
+def map_with_path(data: Any, dtype: type | tuple[type, ...], function: Callable[[tuple, Any], Any]) -> Any:
+    """Like ``apply_to_collection``, but ``function(path, element)`` also gets the tuple of keys and indices that
+    lead to the element. Usage: ``map_with_path({"a": [t]}, torch.Tensor, f)`` calls ``f(("a", 0), t)``."""
+    return _walk(data, dtype, function, ())
+
+
+def _walk(data: Any, dtype: type | tuple[type, ...], function: Callable[[tuple, Any], Any], path: tuple) -> Any:
     if isinstance(data, dtype):
-        return function(data, *args, **kwargs)
+        return function(path, data)
     if isinstance(data, Mapping):
-        return type(data)({k: apply_to_collection(v, dtype, function, *args, **kwargs) for k, v in data.items()})
+        return type(data)({k: _walk(v, dtype, function, (*path, k)) for k, v in data.items()})
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(apply_to_collection(v, dtype, function, *args, **kwargs) for v in data))
+        return type(data)(*(_walk(v, dtype, function, (*path, i)) for i, v in enumerate(data)))
     if isinstance(data, (list, tuple)):
-        return type(data)(apply_to_collection(v, dtype, function, *args, **kwargs) for v in data)
+        return type(data)(_walk(v, dtype, function, (*path, i)) for i, v in enumerate(data))
     return data
 
 

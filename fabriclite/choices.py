@@ -1,14 +1,17 @@
-"""Every user string becomes a plain value here, in one place: accelerator, devices, strategy, precision.
+"""Every user setting becomes a plain value here, in one place: accelerator, devices, strategy, precision, and the
+settings ``fabriclite run`` hands to the script's ``Fabric()`` through environment variables.
 
 Each parser takes what a user (or a Lightning Fabric script) may pass and returns a canonical value or raises a
-``ValueError`` naming the value, the valid choices and the closest match.
+``ValueError`` naming the value, the valid choices and the closest match. This module imports nothing of
+fabriclite: every other layer may use it.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 
@@ -26,7 +29,7 @@ def did_you_mean(value: Any, choices: Sequence[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def _invalid(what: str, value: Any, choices: Sequence[str]) -> ValueError:
+def invalid_choice(what: str, value: Any, choices: Sequence[str]) -> ValueError:
     listed = ", ".join(repr(c) for c in choices)
     return ValueError(f"{what}={value!r} is not supported. Valid choices: {listed}.{did_you_mean(value, choices)}")
 
@@ -37,24 +40,21 @@ def parse_accelerator(accelerator: Any) -> str:
     Usage: ``parse_accelerator("CUDA") == "cuda"``.
     """
     if not isinstance(accelerator, str) or accelerator.lower() not in ACCELERATORS:
-        raise _invalid("accelerator", accelerator, ACCELERATORS)
+        raise invalid_choice("accelerator", accelerator, ACCELERATORS)
     return accelerator.lower()
 
 
 def parse_strategy(strategy: Any) -> Any:
-    """Return the lower-case strategy name, or the strategy object itself when one is passed.
+    """Return the lower-case strategy name, or any other object unchanged (``select_strategy`` checks that it is a
+    ``Strategy``).
 
     Usage: ``parse_strategy("FSDP") == "fsdp"``.
     """
-    if isinstance(strategy, str):
-        if strategy.lower() in STRATEGIES:
-            return strategy.lower()
-        raise _invalid("strategy", strategy, STRATEGIES)
-    from fabriclite.strategies import Strategy
-
-    if isinstance(strategy, Strategy):
+    if not isinstance(strategy, str):
         return strategy
-    raise _invalid("strategy", strategy, STRATEGIES)
+    if strategy.lower() in STRATEGIES:
+        return strategy.lower()
+    raise invalid_choice("strategy", strategy, STRATEGIES)
 
 
 def parse_precision(precision: Any) -> str:
@@ -69,7 +69,7 @@ def parse_precision(precision: Any) -> str:
         return key
     if key in _PRECISION_ALIASES:
         return _PRECISION_ALIASES[key]
-    raise _invalid("precision", precision, PRECISIONS + tuple(_PRECISION_ALIASES))
+    raise invalid_choice("precision", precision, PRECISIONS + tuple(_PRECISION_ALIASES))
 
 
 def parse_devices(devices: Any) -> int | list[int] | str:
@@ -113,3 +113,71 @@ def parse_num_nodes(num_nodes: Any) -> int:
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} is not valid: expected a positive int.")
     return num_nodes
+
+
+# ---------------------------------------------------------------------------------------------- `fabriclite run`
+# ``fabriclite run --precision bf16-mixed train.py`` exports ``FABRICLITE_CLI_PRECISION=bf16-mixed``; every process
+# torchrun starts inherits it, and ``Fabric.__init__`` reads it through ``apply_cli_settings``.
+ENV_PREFIX = "FABRICLITE_CLI_"
+
+# The Fabric arguments the CLI may set, with Fabric's defaults: an argument left at its default takes the CLI's
+# value. A precision of None is the only "not given" one, since Fabric(precision="32-true") may mean it.
+FABRIC_DEFAULTS: dict[str, Any] = {
+    "accelerator": "auto",
+    "strategy": "auto",
+    "devices": "auto",
+    "num_nodes": 1,
+    "precision": None,
+}
+
+# The parser of each setting the CLI shares with Fabric.
+PARSERS: dict[str, Callable[[Any], Any]] = {
+    "accelerator": parse_accelerator,
+    "strategy": parse_strategy,
+    "devices": parse_devices,
+    "num_nodes": parse_num_nodes,
+    "precision": parse_precision,
+}
+
+
+def env_name(key: str) -> str:
+    """The environment variable carrying one setting. Usage: ``env_name("num_nodes") == "FABRICLITE_CLI_NUM_NODES"``."""
+    return ENV_PREFIX + key.upper()
+
+
+def _parse_text(key: str, text: str) -> Any:
+    if key == "num_nodes" and text.isdigit():  # the environment holds text
+        return parse_num_nodes(int(text))
+    return PARSERS[key](text)
+
+
+def apply_cli_settings(
+    accelerator: Any, strategy: Any, devices: Any, num_nodes: Any, precision: Any
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Merge ``Fabric``'s arguments with what ``fabriclite run`` set; return them in the same order.
+
+    An argument left at its default takes the CLI's value; one that means the same (``16`` and ``"16-mixed"``,
+    ``"2"`` and ``2``) is fine; one that differs raises a ``ValueError`` naming both.
+    Usage: ``accelerator, strategy, devices, num_nodes, precision = apply_cli_settings(...)``.
+    """
+    given = {
+        "accelerator": accelerator,
+        "strategy": strategy,
+        "devices": devices,
+        "num_nodes": num_nodes,
+        "precision": precision,
+    }
+    for key, parse in PARSERS.items():
+        text = os.environ.get(env_name(key))
+        if text is None:
+            continue
+        from_cli = _parse_text(key, text)
+        at_default = given[key] is None if key == "precision" else parse(given[key]) == parse(FABRIC_DEFAULTS[key])
+        if at_default:
+            given[key] = from_cli
+        elif parse(given[key]) != from_cli:
+            raise ValueError(
+                f"{key}={given[key]!r} conflicts with `fabriclite run --{key.replace('_', '-')} {text}`; "
+                "remove one of them."
+            )
+    return given["accelerator"], given["strategy"], given["devices"], given["num_nodes"], given["precision"]

@@ -3,7 +3,7 @@ torchrun (``torch.distributed.run``), ``fabriclite consolidate`` merges a sharde
 ``fabriclite plot`` draws the metrics of CSVLogger runs side by side.
 
 ``run`` does no process management of its own: it checks every setting, exports the ones the script's ``Fabric()``
-reads (see ``fabriclite/_cli_env.py``), turns the rest into torchrun's arguments and calls torchrun in this process,
+reads (see ``choices.apply_cli_settings``), turns the rest into torchrun's arguments and calls torchrun in this process,
 so signals reach it directly and a failed rank gives a non-zero exit code.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fabriclite import choices
-from fabriclite._cli_env import ENV_PREFIX, FABRIC_DEFAULTS, env_name
+from fabriclite.choices import ENV_PREFIX, FABRIC_DEFAULTS, env_name
 
 # Every setting of `fabriclite run`, as a flag (dashes) and as a --config key (underscores), with its help.
 RUN_SETTINGS: dict[str, str] = {
@@ -124,15 +124,8 @@ def check_setting(key: str, value: Any) -> Any:
         raise ValueError(f"{key}={value!r} must be a string.")
     if key in _INT_SETTINGS and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{key}={value!r} must be an integer.")
-    parsers = {
-        "accelerator": choices.parse_accelerator,
-        "strategy": choices.parse_strategy,
-        "devices": choices.parse_devices,
-        "num_nodes": choices.parse_num_nodes,
-        "precision": choices.parse_precision,
-    }
-    if key in parsers:
-        return parsers[key](value)
+    if key in choices.PARSERS:
+        return choices.PARSERS[key](value)
     if key == "main_address" and not value.strip():
         raise ValueError(f"main_address={value!r} must name the main node, e.g. 10.0.0.1 or node01.")
     if key == "main_port" and not 0 < value < 65536:
@@ -203,7 +196,7 @@ def torchrun_args(settings: dict[str, Any], processes: int, script: str, script_
     if num_nodes == 1 and "main_address" not in settings and "main_port" not in settings:
         args.append("--standalone")  # a rendezvous on localhost, on a port the OS picks: no race for a free port
     else:
-        from fabriclite.environment import free_port
+        from fabriclite.plugins.environments import free_port
 
         port = settings.get("main_port") or (_DEFAULT_MULTI_NODE_PORT if num_nodes > 1 else free_port())
         args += [
@@ -262,8 +255,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(str(error))  # exits with code 2; nothing was started
     processes = len(accelerator.device_indices)
     if accelerator.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        from fabriclite.plugins.environments import cpu_threads_per_process
+
         # torchrun would give every process 1 thread; share the cores out instead, as fabric.launch() does.
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads_per_process(processes))
     for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
         del os.environ[name]  # a run inside a run must not inherit the outer run's settings
     os.environ.update(fabric_environment(settings))
@@ -271,19 +266,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    try:
-        import fabriclite.fsdp as fsdp
-    except ModuleNotFoundError as error:
-        if error.name != "fabriclite.fsdp":
-            raise
-        fsdp = None
-    consolidate = getattr(fsdp, "consolidate", None)
-    if consolidate is None:
-        parser.error(
-            "this version of fabriclite has no fabriclite.fsdp.consolidate yet; upgrade fabriclite to merge "
-            "sharded checkpoints."
-        )
-    from fabriclite.checkpoint import CheckpointError
+    from fabriclite.checkpoint import CheckpointError, consolidate
 
     try:
         consolidate(args.sharded_dir, args.out_file)

@@ -1,6 +1,7 @@
 """The wrapped data loader: yields exactly the batches of the user's loader, moved to the device, and keeps its
 position (epoch, batches already yielded, the random state its shuffling started from) so that a run resumed
-from a checkpoint continues with the very next batch.
+from a checkpoint continues with the very next batch. Also each rank's shard of a loader under a distributed
+strategy (``distributed_loader``), marking the samples repeated to even out the ranks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from fabriclite._collections import move_to_device
 from fabriclite._padding import set_padding
@@ -226,3 +235,61 @@ class _FabricDataLoader:
         self._in_epoch = False
         self._yielded = state["yielded"]
         self._resume_from = (state["yielded"], state["epoch_rng"]) if state["in_epoch"] else None
+
+
+class FabricDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` that can say which of this rank's samples are padding (repeated to even out ranks),
+    so metrics can drop them. Over a user's own sampler, it shards that sampler's indices, drawn anew each epoch.
+
+    Usage: made by ``fabric.setup_dataloaders``; ``sampler.padding_mask(start, count)``.
+    """
+
+    def __init__(self, dataset: Any, source: Sampler | None = None, **kwargs: Any) -> None:
+        self.source = source
+        super().__init__(dataset if source is None else range(len(source)), **kwargs)
+        self.real_size = len(self.dataset)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.source is None:
+            return super().__iter__()
+        # Every rank must draw the same order from the user's sampler, whatever its global random state: draw it
+        # from a generator seeded by (seed, epoch), leaving the global stream untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + self.epoch)
+            drawn = list(self.source)
+        return (drawn[i] for i in super().__iter__())
+
+    def padding_mask(self, start: int, count: int) -> torch.Tensor:
+        """True for this rank's samples ``start .. start+count-1`` that are repeats of other samples."""
+        positions = self.rank + self.num_replicas * torch.arange(start, start + count)
+        return positions >= self.real_size
+
+
+def distributed_loader(dataloader: DataLoader, num_replicas: int, rank: int, seed: int) -> DataLoader:
+    """This rank's shard of ``dataloader``: a copy with a ``FabricDistributedSampler``, keeping shuffle and seed.
+    Loaders over an ``IterableDataset``, or with a distributed sampler already, are returned as they are.
+
+    Usage: ``loader = distributed_loader(loader, num_replicas=2, rank=0, seed=0)``.
+    """
+    sampler = dataloader.sampler
+    if isinstance(dataloader.dataset, IterableDataset) or isinstance(sampler, DistributedSampler):
+        return dataloader
+    common = {"num_replicas": num_replicas, "rank": rank, "seed": seed, "drop_last": False}
+    if type(sampler) in (RandomSampler, SequentialSampler) and getattr(sampler, "generator", None) is None:
+        new_sampler = FabricDistributedSampler(dataloader.dataset, shuffle=isinstance(sampler, RandomSampler), **common)
+    else:
+        new_sampler = FabricDistributedSampler(dataloader.dataset, source=sampler, shuffle=False, **common)
+    sharded = copy.copy(dataloader)
+    object.__setattr__(sharded, "_iterator", None)
+    object.__setattr__(sharded, "sampler", new_sampler)
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is not None:
+        if type(batch_sampler) is not BatchSampler:
+            raise ValueError(
+                f"The DataLoader uses a custom batch_sampler ({type(batch_sampler).__name__}), which fabriclite "
+                "cannot shard. Shard it yourself and pass use_distributed_sampler=False."
+            )
+        object.__setattr__(
+            sharded, "batch_sampler", BatchSampler(new_sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        )
+    return sharded

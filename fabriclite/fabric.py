@@ -1,6 +1,7 @@
 """The ``Fabric`` facade: the one object a training script talks to. It turns arguments into an accelerator,
 a strategy and a precision (``choices``), and delegates; the per-step calls (forward, ``backward``,
-``optimizer.step``) go straight to the precision's hooks chosen at setup.
+``optimizer.step``) go straight to the precision's hooks chosen at setup. The architecture section of the README
+walks through the layers beneath it.
 """
 
 from __future__ import annotations
@@ -15,25 +16,26 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch.utils.data import DataLoader
 
-from fabriclite import choices
-from fabriclite._cli_env import apply_cli_settings
+from fabriclite import checkpoint, choices
 from fabriclite._collections import apply_to_collection, convert_to_tensors, move_to_device, to_python_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
 from fabriclite.compile import CompileWatch, compile_kwargs
-from fabriclite.checkpoint import META_KEY, capture_rng_state, restore_rng_state, safe_load
 from fabriclite.data import _FabricDataLoader
-from fabriclite.precision import Precision, select_precision
+from fabriclite.plugins import split_plugins
+from fabriclite.plugins.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy, select_strategy
 from fabriclite.wrappers import _FabricModule, _FabricOptimizer
-
-_REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
 def _as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _rebuild_fabric(init_kwargs: dict[str, Any]) -> Fabric:
+    return Fabric(**init_kwargs)
 
 
 class Fabric:
@@ -63,8 +65,10 @@ class Fabric:
         kernels: bool = False,
         compile: bool | dict[str, Any] = False,
     ) -> None:
+        # What a process started by `launch()` (ddp_spawn) needs to build this Fabric again; see __reduce__.
+        self._init_kwargs = {name: value for name, value in locals().items() if name != "self"}
         # Settings given to `fabriclite run` fill in the arguments left at their defaults; a differing one raises.
-        accelerator, strategy, devices, num_nodes, precision = apply_cli_settings(
+        accelerator, strategy, devices, num_nodes, precision = choices.apply_cli_settings(
             accelerator, strategy, devices, num_nodes, precision
         )
         accelerator_name = choices.parse_accelerator(accelerator)
@@ -72,33 +76,13 @@ class Fabric:
         parsed_devices = choices.parse_devices(devices)
         nodes = choices.parse_num_nodes(num_nodes)
         precision_name = choices.parse_precision(precision)
-        user_precision = None
-        for plugin in _as_list(plugins):
-            if not isinstance(plugin, Precision):
-                raise ValueError(
-                    f"plugins={plugin!r} is not supported: fabriclite accepts Precision objects as plugins."
-                )
-            user_precision = plugin
+        user_precision, checkpoint_io = split_plugins(_as_list(plugins))
 
-        self._init_kwargs = {
-            "accelerator": accelerator,
-            "strategy": strategy,
-            "devices": devices,
-            "num_nodes": num_nodes,
-            "precision": precision,
-            "plugins": plugins,
-            "callbacks": callbacks,
-            "loggers": loggers,
-            "kernels": kernels,
-            "compile": compile,
-        }
         self._accelerator: Accelerator = select_accelerator(accelerator_name, parsed_devices)
         self._strategy: Strategy = select_strategy(strategy_choice, self._accelerator, nodes)
-        if hasattr(self._strategy, "configure"):  # multi-process: the process group is joined in launch()
-            self._strategy.configure(self._accelerator, nodes)
-        else:
-            self._strategy.accelerator = self._accelerator
-            self._strategy.setup_environment()
+        if checkpoint_io is not None:
+            self._strategy.checkpoint_io = checkpoint_io
+        self._strategy.configure(self._accelerator, nodes)
         self._precision: Precision = user_precision or select_precision(precision_name, self._strategy.root_device)
         self._strategy.precision = self._precision
         self._kernels = bool(kernels) and self._kernels_usable()
@@ -106,10 +90,18 @@ class Fabric:
         self._compile_watches: list[CompileWatch] = []
         self._callbacks = _as_list(callbacks)
         self._loggers = _as_list(loggers)
-        self._launched = False
         self._setup_modules: weakref.WeakSet = weakref.WeakSet()
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
         self._backward_ready = self._precision.scaler is None
+        # The processes exist already (one process, or started by torchrun, SLURM, `fabriclite run` or our own
+        # launcher): join them now, so launch() is optional. Otherwise launch() starts them.
+        self._launched = not self._strategy.launcher.starts_processes
+        if self._launched:
+            self._strategy.setup_environment()
+
+    def __reduce__(self) -> tuple:
+        # A Fabric pickles as its arguments: what ddp_spawn sends to each new process, where it is built again.
+        return (_rebuild_fabric, (self._init_kwargs,))
 
     def _kernels_usable(self) -> bool:
         from fabriclite.kernels import kernels_available  # cheap: does not import triton
@@ -176,25 +168,15 @@ class Fabric:
         if function is not None and not callable(function):
             raise TypeError(f"fabric.launch(function) expects a callable taking the Fabric first, got {function!r}.")
         launcher = self._strategy.launcher
-        if launcher is not None and self._launched:
-            raise RuntimeError(
-                "fabric.launch() was already called; it starts the processes, so call it once per Fabric."
-            )
-        if launcher is not None:
-            from fabriclite.launcher import LAUNCHER_ENV, SpawnLauncher
+        if function is None and launcher.needs_function:
+            raise ValueError("strategy='ddp_spawn' runs a function in new processes: call fabric.launch(function).")
+        return launcher.launch(self._run_launched, function, *args, **kwargs)
 
-            if isinstance(launcher, SpawnLauncher) and os.environ.get(LAUNCHER_ENV) != "spawn":
-                if function is None:
-                    raise ValueError(
-                        "strategy='ddp_spawn' runs a function in new processes: call fabric.launch(function)."
-                    )
-                return launcher.run(self._init_kwargs, function, args, kwargs)
-            launcher.start()
-            self._strategy.setup_environment()
+    def _run_launched(self, function: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+        # Runs in every process the launcher is responsible for, once it exists.
+        self._strategy.setup_environment()
         self._launched = True
-        if function is None:
-            return None
-        return function(self, *args, **kwargs)
+        return None if function is None else function(self, *args, **kwargs)
 
     def setup(
         self,
@@ -202,16 +184,13 @@ class Fabric:
         *optimizers: torch.optim.Optimizer,
         scheduler: Any = None,
         move_to_device: bool = True,
-        _reapply_compile: bool = True,
         compile: bool | dict[str, Any] | None = None,
     ) -> Any:
         """Wrap a model and its optimizers; returns the model alone, or ``(model, *optimizers[, scheduler])``.
 
         ``compile`` overrides ``Fabric(compile=...)`` for this model. Usage: ``model, optimizer = fabric.setup(model, optimizer)``.
         """
-        module = self.setup_module(
-            module, move_to_device=move_to_device, _reapply_compile=_reapply_compile, compile=compile
-        )
+        module = self.setup_module(module, move_to_device=move_to_device, compile=compile)
         wrapped = [self._setup_optimizer(optimizer) for optimizer in optimizers]
         if scheduler is not None:
             return (module, *wrapped, scheduler)
@@ -221,7 +200,6 @@ class Fabric:
         self,
         module: torch.nn.Module,
         move_to_device: bool = True,
-        _reapply_compile: bool = True,
         compile: bool | dict[str, Any] | None = None,
     ) -> _FabricModule:
         """Wrap a model: kernels, precision conversion, placement on the device, the strategy's wrapper, compile.
@@ -322,10 +300,7 @@ class Fabric:
                 f"precision={self._precision.name!r} scales the loss, and only an optimizer returned by fabric.setup "
                 "unscales the gradients again. Call `model, optimizer = fabric.setup(model, optimizer)` before backward."
             )
-        if self._precision.scaler is None:
-            tensor.backward(*args, **kwargs)
-        else:
-            self._precision.backward(tensor, *args, **kwargs)
+        self._precision.backward(tensor, *args, **kwargs)
 
     def clip_gradients(
         self,
@@ -387,7 +362,7 @@ class Fabric:
 
     # ------------------------------------------------------------------ collectives
     def _check_launched(self, what: str) -> None:
-        if self._strategy.launcher is not None and not self._launched:
+        if not self._launched:
             raise RuntimeError(f"fabric.{what} was called before fabric.launch(); call fabric.launch() first.")
 
     def barrier(self, name: str | None = None) -> None:
@@ -409,12 +384,11 @@ class Fabric:
     def all_reduce(self, data: Any, group: Any = None, reduce_op: str = "mean") -> Any:
         """Reduce tensors (or numbers, or collections of them) over every process with "mean", "sum", "max" or "min"."""
         self._check_launched("all_reduce")
-        if not isinstance(reduce_op, str) or reduce_op.lower() not in _REDUCE_OPS:
-            raise ValueError(f"reduce_op={reduce_op!r} is not supported. Valid choices: {', '.join(_REDUCE_OPS)}.")
+        from fabriclite.collectives import check_reduce_op
+
+        reduce_op = check_reduce_op(reduce_op)
         data = convert_to_tensors(data, self.device)
-        return apply_to_collection(
-            data, torch.Tensor, self._strategy.all_reduce, group=group, reduce_op=reduce_op.lower()
-        )
+        return apply_to_collection(data, torch.Tensor, self._strategy.all_reduce, group=group, reduce_op=reduce_op)
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Iterator[None]:
@@ -452,19 +426,9 @@ class Fabric:
         ``filter`` maps a key of ``state`` to ``fn(name, value) -> bool`` choosing which entries of its state_dict
         to keep. Usage: ``fabric.save("last.ckpt", {"model": model, "optimizer": optimizer, "step": step})``.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"fabric.save expects a dict of things to save, got {type(state).__name__}.")
-        if META_KEY in state:
-            raise ValueError(f"The key {META_KEY!r} is reserved by fabric.save; rename it in your state.")
-        for key, fn in (filter or {}).items():
-            if key not in state or not callable(fn):
-                raise ValueError(f"filter[{key!r}] must name a key of state and be a callable (name, value) -> bool.")
+        checkpoint.check_state(state, filter)
         self._check_launched("save")
-        # Each rank's random streams, so every rank resumes drawing exactly what it would have drawn.
-        meta = {
-            "rng_per_rank": self._strategy.all_gather_object(capture_rng_state()),
-            "precision": self._precision.state_dict(),
-        }
+        meta = checkpoint.capture_meta(self._strategy, self._precision)
         self._strategy.save_checkpoint(path, state, meta, filter)
 
     def load(
@@ -485,12 +449,7 @@ class Fabric:
             raise TypeError(f"fabric.load expects state to be a dict (filled in place), got {type(state).__name__}.")
         remainder, meta = self._strategy.load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if state is not None and meta is not None:
-            self._precision.load_state_dict(meta.get("precision", {}))
-            rng_per_rank = meta["rng_per_rank"]
-            # Loaded into a different world size, ranks without their own streams take rank 0's.
-            restore_rng_state(
-                rng_per_rank[self.global_rank] if self.global_rank < len(rng_per_rank) else rng_per_rank[0]
-            )
+            checkpoint.restore_meta(meta, self._precision, self.global_rank)
         self._strategy.barrier("load")
         return remainder
 
@@ -506,13 +465,7 @@ class Fabric:
 
         Usage: ``fabric.load_raw("weights.pt", model)``.
         """
-        state_dict = safe_load(path, weights_only=weights_only)
-        if isinstance(obj, torch.nn.Module):
-            obj.load_state_dict(state_dict, strict=strict)
-        elif isinstance(obj, torch.optim.Optimizer):
-            obj.load_state_dict(state_dict)
-        else:
-            raise TypeError(f"fabric.load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
+        checkpoint.load_raw(path, obj, strict=strict, weights_only=weights_only)
 
     # ------------------------------------------------------------------ logging, callbacks, progress
     def log(self, name: str, value: Any, step: int | None = None) -> None:

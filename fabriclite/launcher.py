@@ -1,9 +1,14 @@
-"""Starting the processes of a multi-process run from a plain ``python train.py``.
+"""Starting the processes of a multi-process run. Every launcher has one method, ``launch(function, *args,
+**kwargs)``: it makes sure the processes exist, runs ``function`` in each one this launcher is responsible for, and
+returns what this process's (or rank 0's) call returned.
 
-``SubprocessLauncher`` re-runs the script once per extra process (the way Lightning does), with the rank in the
-environment; the original process becomes rank 0. A watchdog thread in rank 0 ends every sibling as soon as one
-exits with an error, and each child dies with rank 0, so a failure never leaves processes hanging.
-``SpawnLauncher`` ("ddp_spawn") runs a function in fresh processes and returns rank 0's result.
+- ``InProcessLauncher``: the processes exist already (one process, or started by torchrun, SLURM, ``fabriclite
+  run`` or one of the launchers below): run ``function`` here.
+- ``SubprocessLauncher``: re-runs the script once per extra process (the way Lightning does), with the rank in the
+  environment; the original process becomes rank 0. A watchdog thread in rank 0 ends every sibling as soon as one
+  exits with an error, and each child dies with rank 0, so a failure never leaves processes hanging.
+- ``SpawnLauncher`` ("ddp_spawn"): runs ``function`` in fresh processes and returns rank 0's result. ``function``
+  and its arguments are pickled; they are unpickled in each new process once its rank is in the environment.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -18,9 +24,19 @@ import threading
 import time
 from typing import Any, Callable
 
-from fabriclite.environment import free_port
+from fabriclite.plugins.environments import free_port
 
 LAUNCHER_ENV = "FABRICLITE_LAUNCHER"
+
+
+class InProcessLauncher:
+    """The processes exist already: ``launch`` runs the function in this process. Usage: ``InProcessLauncher().launch(f)``."""
+
+    starts_processes = False
+    needs_function = False
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
 
 
 def _die_with_parent() -> None:
@@ -61,16 +77,27 @@ def _rank_env(rank: int, local_rank: int, world_size: int, node_rank: int, addre
 class SubprocessLauncher:
     """Re-runs the script for local ranks 1..N-1; this process is local rank 0. Usage: via ``fabric.launch()``."""
 
+    starts_processes = True
+    needs_function = False
+
     def __init__(self, processes: int) -> None:
         self.processes = processes
         self.children: list[subprocess.Popen] = []
+        self._started = False
         self._killing = False  # set once this process stops the children itself: their deaths are then expected
         self._reported: set[int] = set()
 
-    def start(self) -> None:
-        """Start the other processes (only in the process the user started) and put this one's rank in its env."""
-        if os.environ.get(LAUNCHER_ENV):
-            return  # a child: the parent already set RANK and friends
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Start the other processes, put this one's rank in its environment, then run ``function`` here."""
+        if self._started:
+            raise RuntimeError(
+                "fabric.launch() was already called; it starts the processes, so call it once per Fabric."
+            )
+        self._started = True
+        self._start()
+        return function(*args, **kwargs)
+
+    def _start(self) -> None:
         command = _script_command()
         port = free_port()
         for rank in range(1, self.processes):
@@ -141,45 +168,34 @@ class SubprocessLauncher:
                 os._exit(code if code > 0 else 1)
 
 
-def _spawn_entry(
-    local_rank: int,
-    processes: int,
-    port: int,
-    fabric_kwargs: dict[str, Any],
-    function: Callable[..., Any],
-    args: tuple,
-    kwargs: dict[str, Any],
-    results: Any,
-) -> None:
+def _spawn_entry(local_rank: int, processes: int, port: int, payload: bytes, results: Any) -> None:
     os.environ.update(_rank_env(local_rank, local_rank, processes, 0, "127.0.0.1", port))
     os.environ[LAUNCHER_ENV] = "spawn"
-    from fabriclite.fabric import Fabric
-
-    fabric = Fabric(**fabric_kwargs)
-    result = fabric.launch(function, *args, **kwargs)
+    # Unpickled only now, with the rank in the environment: a Fabric in the payload is rebuilt as a launched one.
+    function, args, kwargs = pickle.loads(payload)
+    result = function(*args, **kwargs)
     if local_rank == 0:
         results.put(result)
 
 
 class SpawnLauncher:
-    """Runs ``function(fabric, *args)`` in N new processes ("spawn" start method); returns rank 0's result."""
+    """Runs ``function(*args, **kwargs)`` in N new processes ("spawn" start method); returns rank 0's result."""
+
+    starts_processes = True
+    needs_function = True  # this process only waits: the work must come as a function
 
     def __init__(self, processes: int) -> None:
         self.processes = processes
 
-    def start(self) -> None:
-        """In a spawned process: the processes exist already."""
-
-    def run(
-        self, fabric_kwargs: dict[str, Any], function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
-    ) -> Any:
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         import torch.multiprocessing as mp
 
+        payload = pickle.dumps((function, args, kwargs))
         context = mp.get_context("spawn")
         results = context.SimpleQueue()
         mp.start_processes(
             _spawn_entry,
-            args=(self.processes, free_port(), fabric_kwargs, function, args, kwargs, results),
+            args=(self.processes, free_port(), payload, results),
             nprocs=self.processes,
             start_method="spawn",
         )

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from fabriclite.precision import Precision
+from fabriclite.plugins.precision import Precision
 
 
 class _FabricModule(torch.nn.Module):
@@ -150,10 +150,9 @@ class _FabricOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         # `step` is looked up on every call: an LR scheduler may have wrapped the inner optimizer's since setup.
-        kwargs = {} if closure is None else {"closure": closure}
-        if self._precision.scaler is None:
-            return self._optimizer.step(**kwargs)
-        return self._precision.optimizer_step(self._optimizer, **kwargs)
+        if closure is None:
+            return self._precision.optimizer_step(self._optimizer)
+        return self._precision.optimizer_step(self._optimizer, closure=closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)

@@ -66,7 +66,7 @@ def test_strings_are_case_insensitive():
 
 
 def test_fsdp_selects_the_fsdp_strategy_also_on_one_process():
-    from fabriclite.fsdp import FSDPStrategy
+    from fabriclite.strategies import FSDPStrategy
 
     for devices in (1, 2):
         assert isinstance(Fabric(accelerator="cpu", strategy="FSDP", devices=devices).strategy, FSDPStrategy)
@@ -76,7 +76,7 @@ def test_fsdp_selects_the_fsdp_strategy_also_on_one_process():
     ("strategy", "start_method"), [("DDP", "subprocess"), ("ddp_spawn", "spawn"), ("auto", "subprocess")]
 )
 def test_ddp_names_select_ddp_with_their_start_method(strategy, start_method):
-    from fabriclite.ddp import DDPStrategy
+    from fabriclite.strategies import DDPStrategy
 
     fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)
     assert isinstance(fabric.strategy, DDPStrategy)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from fabriclite import Fabric
-from fabriclite._cli_env import apply_cli_settings
+from fabriclite.choices import apply_cli_settings
 from fabriclite.cli import build_parser, fabric_environment, main, resolve_settings, torchrun_args
-from fabriclite.environment import free_port
+from fabriclite.plugins.environments import free_port
 from helpers import SCRIPTS, run_python
 
 REPORT = str(SCRIPTS / "cli_report.py")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fabriclite.environment import _first_slurm_host, detect_environment
+from fabriclite.plugins.environments import _first_slurm_host, detect_environment
 
 LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK",
                "TORCHELASTIC_RUN_ID", "FABRICLITE_LAUNCHER", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",

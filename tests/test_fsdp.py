@@ -10,7 +10,8 @@ import torch
 from helpers import SCRIPTS, run_python, sigkill, start_python
 from torch import nn
 
-from fabriclite.fsdp import FSDPStrategy, load_sharded_checkpoint, repeated_blocks
+from fabriclite.checkpoint import load as load_checkpoint
+from fabriclite.strategies.fsdp import FSDPStrategy, repeated_blocks
 
 CHECKS = [
     "parameters are DTensors",
@@ -92,7 +93,7 @@ def test_checkpoints_of_two_processes_load_into_one(one_process_run, name):
 
 def test_consolidate_from_the_command_line_writes_a_file_torch_load_reads(one_process_run, checkpoints):
     out = checkpoints / "cli.pt"
-    run_python("-m", "fabriclite.fsdp", "consolidate", str(checkpoints / "sharded.ckpt"), str(out), timeout=120)
+    run_python("-m", "fabriclite.cli", "consolidate", str(checkpoints / "sharded.ckpt"), str(out), timeout=120)
     consolidated, full = torch.load(out, weights_only=True), torch.load(checkpoints / "full.ckpt", weights_only=True)
     assert consolidated["model"].keys() == full["model"].keys()
     assert all(torch.equal(consolidated["model"][k], full["model"][k]) for k in full["model"])
@@ -122,7 +123,7 @@ def test_sigkill_during_sharded_saves_leaves_the_last_checkpoint_loadable(tmp_pa
         time.sleep(0.5)
         assert len(pids) == 2 and not any(_alive(pid) for pid in pids), lines
         kills_during_write += writing
-        checkpoint, _ = load_sharded_checkpoint(path, None)
+        checkpoint, _ = load_checkpoint(path, None)
         versions.append(checkpoint["version"])
         assert all(torch.equal(t, torch.full_like(t, versions[-1])) for t in checkpoint["model"].values())
         if attempt == 1:
@@ -181,7 +182,7 @@ def test_invalid_options_say_what_is_valid(kwargs, error, match):
 
 def test_a_directory_without_fabriclite_structure_is_refused_by_name(tmp_path):
     with pytest.raises(RuntimeError, match="structure.pt"):
-        load_sharded_checkpoint(tmp_path, None)
+        load_checkpoint(tmp_path, None)
 
 
 def test_compile_under_fsdp_compiles_each_block_then_the_root_without_graph_breaks():

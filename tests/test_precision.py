@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-import fabriclite.precision as precision_module
+import fabriclite.plugins.precision as precision_module
 from fabriclite import Fabric
-from fabriclite.precision import select_precision
+from fabriclite.plugins.precision import select_precision
 
 
 def tiny():

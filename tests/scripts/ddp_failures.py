@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 
 from fabriclite import Fabric
-from fabriclite.ddp import DDPStrategy
+from fabriclite.strategies import DDPStrategy
 
 mode = sys.argv[1]
 fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=3)))

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
-from fabriclite.fsdp import FSDPStrategy
+from fabriclite.strategies import FSDPStrategy
 
 
 def full(module):

@@ -13,7 +13,7 @@ from fsdp_models import ViT
 from torch.distributed.tensor import DTensor
 
 from fabriclite import Fabric, seed_everything
-from fabriclite.fsdp import consolidate
+from fabriclite.checkpoint import consolidate
 
 
 def check(name, condition, detail=""):

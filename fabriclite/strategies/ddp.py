@@ -10,7 +10,8 @@ from typing import Any, ContextManager
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fabriclite.distributed import ParallelStrategy
+from fabriclite.checkpoint import CheckpointIO
+from fabriclite.strategies.parallel import ParallelStrategy
 
 
 class DDPStrategy(ParallelStrategy):
@@ -25,11 +26,14 @@ class DDPStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=30),
         start_method: str = "subprocess",
+        checkpoint_io: CheckpointIO | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        super().__init__(process_group_backend, timeout, start_method, checkpoint_io)
         self.ddp_kwargs = ddp_kwargs
-        self._wrapped: weakref.WeakSet = weakref.WeakSet()
+
+    def _process_state(self) -> dict[str, Any]:
+        return {**super()._process_state(), "_wrapped": weakref.WeakSet()}  # every DDP module made here
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None

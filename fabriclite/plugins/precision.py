@@ -58,6 +58,9 @@ class Precision:
     # True when forward needs no context and no casts, so the wrapped module can call the module directly.
     passthrough = True
     scaler: torch.amp.GradScaler | None = None
+    # The dtype parameters are cast to for the forward while fp32 copies are kept (mixed precision), else None.
+    # Sharding strategies cast their gathered parameters to it.
+    param_dtype: torch.dtype | None = None
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
@@ -131,7 +134,7 @@ class MixedPrecision(_ScaledPrecision):
 
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
-        self.dtype = torch.bfloat16 if name == "bf16-mixed" else torch.float16
+        self.dtype = self.param_dtype = torch.bfloat16 if name == "bf16-mixed" else torch.float16
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler(device.type) if self.dtype == torch.float16 else None
 

@@ -1,5 +1,6 @@
 """Where this process sits in a job: rank, world size, main address. Read from whoever started the processes
-(torchrun/torchelastic, SLURM's srun, plain environment variables, or fabriclite's own launcher).
+(torchrun/torchelastic, SLURM's srun, plain environment variables, or fabriclite's own launcher), plus the two
+facts about this machine that launching needs: a free port, and how many CPU threads each process gets.
 """
 
 from __future__ import annotations
@@ -89,3 +90,12 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def cpu_threads_per_process(local_processes: int) -> int:
+    """The CPU threads each of ``local_processes`` processes on this machine gets, so that together they use every
+    core once (torch would give each process every core, and they would fight over them).
+
+    Usage: ``torch.set_num_threads(cpu_threads_per_process(2))``.
+    """
+    return max(1, (os.cpu_count() or 1) // local_processes)

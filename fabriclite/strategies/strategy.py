@@ -1,39 +1,62 @@
-"""How the work is spread over processes and devices. This module holds the base and the single-device strategy;
-the distributed strategies live beside it and are imported only when asked for.
+"""What a strategy is: how the work is spread over processes and devices. The base does it for one process on one
+device; the distributed strategies (``parallel``, ``ddp``, ``fsdp``) fill in the same hooks.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager
 
 import torch
 
+from fabriclite import checkpoint
 from fabriclite.accelerators import Accelerator
-from fabriclite.checkpoint import (
-    META_KEY,
-    atomic_save,
-    checkpoint_into_state,
-    read_checkpoint,
-    state_to_checkpoint,
-)
-from fabriclite.precision import Precision
+from fabriclite.checkpoint import CheckpointIO, TorchCheckpointIO
+from fabriclite.launcher import InProcessLauncher
+from fabriclite.plugins.precision import Precision
 
 
 class Strategy:
-    """What a strategy does: place the module, wrap it for its kind of parallelism, run collectives, checkpoint.
+    """What a strategy does: start processes (its ``launcher``), place and wrap the module for its kind of
+    parallelism, run collectives, and write and read checkpoints.
 
+    ``Fabric`` calls ``configure`` once, then ``setup_environment`` in every process once the processes run.
     Usage: subclass and fill in the hooks; ``Fabric(strategy=MyStrategy())`` uses it.
     """
 
-    launcher: Any = None  # set by strategies that start processes; collectives need launch() first then
-
-    def __init__(self) -> None:
+    def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
         self.accelerator: Accelerator | None = None
         self.precision: Precision | None = None
+        self.checkpoint_io: CheckpointIO = checkpoint_io or TorchCheckpointIO()
         self.root_device = torch.device("cpu")
+        self.__dict__.update(self._process_state())
+
+    def _process_state(self) -> dict[str, Any]:
+        """What this strategy holds about the process it runs in (its launcher, wrapped modules, meshes), freshly
+        made; subclasses add theirs. It never travels to another process (``ddp_spawn`` pickles the strategy): a
+        strategy arriving in a new process runs in processes that exist already."""
+        return {"launcher": InProcessLauncher()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        process_state = self._process_state()
+        return {name: value for name, value in self.__dict__.items() if name not in process_state}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.update(self._process_state())
+
+    def configure(self, accelerator: Accelerator, num_nodes: int = 1) -> None:
+        """Called by Fabric in the process the user started: the hardware is known, nothing runs yet."""
+        self.accelerator = accelerator
+        self.root_device = accelerator.device(self.local_rank)
+
+    def setup_environment(self) -> None:
+        """Called in each process once it runs (after launch): make the device current, join process groups.
+        Calling it again does nothing more."""
+        assert self.accelerator is not None, "Strategy.configure comes first"
+        self.root_device = self.accelerator.device(self.local_rank)
+        self.accelerator.setup_device(self.root_device)
 
     # Process layout.
     @property
@@ -56,19 +79,13 @@ class Strategy:
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
-    def setup_environment(self) -> None:
-        """Called in each process once it runs (after launch): pick the device, join process groups."""
-        assert self.accelerator is not None
-        self.root_device = self.accelerator.device(self.local_rank)
-        self.accelerator.setup_device(self.root_device)
-
     # Modules and optimizers.
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Wrap the module for this strategy's parallelism (DDP, FSDP); the single device returns it as is."""
         return module
 
     def compile_module(self, module: torch.nn.Module, kwargs: dict[str, Any]) -> torch.nn.Module:
-        """Apply ``torch.compile`` to the (already wrapped) module; strategies with units compile those first."""
+        """Apply ``torch.compile`` to the module ``setup_module`` returned."""
         return torch.compile(module, **kwargs)
 
     def module_to_device(self, module: torch.nn.Module) -> None:
@@ -102,7 +119,7 @@ class Strategy:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> Any:
         return tensor
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: str = "mean") -> torch.Tensor:
@@ -115,29 +132,19 @@ class Strategy:
     def teardown(self) -> None:
         pass
 
-    # Checkpoints: one file, written by rank 0; strategies with sharded state override these two.
+    # Checkpoints: the formats live in fabriclite.checkpoint; a strategy says which one it writes.
     def save_checkpoint(
         self, path: Any, state: Mapping[str, Any], meta: dict[str, Any], filter: Mapping[str, Callable] | None = None
     ) -> None:
-        """Write ``state`` (objects turned into state dicts) plus fabriclite's ``meta`` atomically to ``path``."""
-        checkpoint = state_to_checkpoint(state, filter)
-        checkpoint[META_KEY] = meta
-        if self.is_global_zero:
-            atomic_save(checkpoint, path)
-        self.barrier("save")
+        """Write ``state`` (objects turned into state dicts) plus fabriclite's ``meta`` atomically to one file."""
+        checkpoint.save(path, checkpoint.to_checkpoint(state, meta, filter), self, sharded=False)
 
     def load_checkpoint(
         self, path: Any, state: dict[str, Any] | None, strict: bool = True, weights_only: bool = True
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Load ``path`` into ``state`` in place; return (what ``state`` did not consume, fabriclite's meta)."""
-        if os.path.isdir(path):  # a sharded checkpoint written under FSDP: read whole into this process's tensors
-            from fabriclite.fsdp import load_sharded_checkpoint
-
-            return load_sharded_checkpoint(path, state, strict, weights_only)
-        checkpoint, meta = read_checkpoint(path, weights_only=weights_only)
-        if state is None:
-            return checkpoint, meta
-        return checkpoint_into_state(checkpoint, state, strict, path), meta
+        """Load a checkpoint file or sharded folder into ``state`` in place; return (what ``state`` did not consume,
+        fabriclite's meta)."""
+        return checkpoint.load(path, state, strict, weights_only, self.checkpoint_io)
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Iterator[None]:
@@ -164,37 +171,3 @@ class _SkipInit(torch.overrides.TorchFunctionMode):
 
 class SingleDeviceStrategy(Strategy):
     """One process on one device. Usage: ``Fabric(strategy="single_device")`` or the default for one device."""
-
-
-def select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> Strategy:
-    """Build the strategy object for a parsed strategy name (or take the user's object).
-
-    Usage: ``select_strategy("auto", CPUAccelerator([0]), num_nodes=1)``.
-    """
-    processes = len(accelerator.device_indices) * num_nodes
-    if isinstance(strategy, Strategy):
-        return strategy
-    if strategy in ("auto", "single_device") and processes == 1:
-        return SingleDeviceStrategy()
-    if strategy == "single_device":
-        raise ValueError(
-            f"strategy='single_device' runs one process, but devices * num_nodes = {processes}. "
-            "Use devices=1, or a distributed strategy."
-        )
-    if strategy in ("auto", "ddp", "ddp_spawn"):
-        from fabriclite.ddp import DDPStrategy
-
-        return DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "subprocess")
-    if strategy == "fsdp":  # also on one process: a group of one, so checkpoints and DTensors look the same
-        try:
-            from fabriclite.fsdp import FSDPStrategy
-        except ImportError as err:  # FSDP2's public fully_shard arrived in torch 2.6
-            raise RuntimeError(
-                f"strategy='fsdp' uses FSDP2 (torch.distributed.fsdp.fully_shard), which needs torch >= 2.6; this is "
-                f"torch {torch.__version__} ({err}). Upgrade torch, or use strategy='ddp'."
-            ) from err
-        return FSDPStrategy()
-    raise NotImplementedError(
-        f"strategy={strategy!r} is not available yet in this version of fabriclite. "
-        "Use strategy='ddp' for several processes, or 'auto'/'single_device' for one."
-    )

@@ -6,7 +6,7 @@ Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one
 - Units: by default each block that repeats in an ``nn.ModuleList``/``nn.Sequential`` (transformer blocks) is one
   ``fully_shard`` unit, then the root takes the rest. After sharding, every rank takes its slice of rank 0's
   weights, as DDP broadcasts rank 0's.
-- Mixed precision: FSDP casts the parameters to bf16/fp16 before gathering them (half the traffic and the gathered
+- Mixed precision: FSDP casts the parameters to the precision's ``param_dtype`` (bf16/fp16) before gathering them (half the traffic and the gathered
   memory), and the precision's autocast stays on around the forward: it finds those weights already in the low
   dtype, so nothing is cast twice, and it keeps covering what FSDP's cast does not (softmax, norms and losses stay
   fp32; ops on other fp32 tensors run in the low dtype). Gradients are reduced in fp32 into fp32 shards, and
@@ -15,25 +15,18 @@ Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one
 - ``init_module(empty_init=True)``: rank 0 builds the model on the CPU, the others on the meta device; each rank's
   slice then comes from rank 0, so the weights equal a model built on the CPU with the same seed, whatever order its
   init code draws in, buffers computed in ``__init__`` included.
-- Checkpoints: "sharded" is a directory (every rank writes its shards with ``torch.distributed.checkpoint``, plus
-  ``structure.pt``, the checkpoint with tensors replaced by placeholders, loaded with ``weights_only``); "full" is
-  one file from rank 0 in the form a one-process checkpoint has. Both replace the target atomically and load into
-  any number of processes, with or without FSDP; ``consolidate`` turns a directory into the one-file form.
+- Checkpoints: ``state_dict_type`` picks the format in ``fabriclite.checkpoint``: "sharded", a folder every rank
+  writes its shards into, or "full", one file from rank 0 in the form a one-process checkpoint has.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-import shutil
-import tempfile
-import warnings
+import functools
 import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, ContextManager, Union
 
 import torch
@@ -42,23 +35,13 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fabriclite.checkpoint import (
-    META_KEY,
-    CheckpointError,
-    _fsync_dir,
-    atomic_save,
-    checkpoint_into_state,
-    read_checkpoint,
-    safe_load,
-    state_to_checkpoint,
-)
-from fabriclite.distributed import ParallelStrategy
+from fabriclite import checkpoint
+from fabriclite.checkpoint import CheckpointIO
+from fabriclite.strategies.parallel import ParallelStrategy
 
 # A set of layer classes, or a function telling whether a module is one unit.
 ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bool], None]
 STATE_DICT_TYPES = ("sharded", "full")
-# The file beside DCP's shards that holds the checkpoint's structure (tensors replaced by meta placeholders).
-STRUCTURE_FILE = "structure.pt"
 
 
 class FSDPStrategy(ParallelStrategy):
@@ -67,8 +50,8 @@ class FSDPStrategy(ParallelStrategy):
     - ``auto_wrap_policy``: the layer classes (or a ``module -> bool`` function) that become sharding units; by
       default the blocks that repeat in an ``nn.ModuleList``/``nn.Sequential``.
     - ``activation_checkpointing_policy``: layer classes whose activations are recomputed in backward.
-    - ``mixed_precision``: an FSDP ``MixedPrecisionPolicy``; by default from the Fabric precision ("bf16-mixed":
-      bf16 parameters, fp32 gradient reduction; "16-mixed": fp16 parameters; otherwise none).
+    - ``mixed_precision``: an FSDP ``MixedPrecisionPolicy``; by default from the Fabric precision: its
+      ``param_dtype`` ("bf16-mixed": bf16, "16-mixed": fp16) for the gathered parameters, fp32 gradient reduction.
     - ``cpu_offload``: keep the parameter, gradient and optimizer shards in CPU memory.
     - ``state_dict_type``: "sharded" (a directory, every rank writes its shards) or "full" (one file from rank 0).
 
@@ -86,8 +69,9 @@ class FSDPStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=30),
         start_method: str = "subprocess",
+        checkpoint_io: CheckpointIO | None = None,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        super().__init__(process_group_backend, timeout, start_method, checkpoint_io)
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported. Valid choices: 'sharded', 'full'.")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
@@ -101,17 +85,23 @@ class FSDPStrategy(ParallelStrategy):
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = reshard_after_forward
         self.state_dict_type = state_dict_type
-        self.mesh: Any = None
-        # Parameters fully_shard replaced, so optimizers built on the unsharded model can be pointed at the shards:
-        # id(old) -> (old, new), both weak: the full-size originals go with their optimizer, the shards with the model.
-        self._sharded_params: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-        self._optimizers: weakref.WeakSet = weakref.WeakSet()
-        # setup_module -> compile_module: the units to compile first; weak, so a model dropped later is freed.
-        self._units: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _process_state(self) -> dict[str, Any]:
+        return {
+            **super()._process_state(),
+            "mesh": None,
+            # Parameters fully_shard replaced, so optimizers built on the unsharded model can be pointed at the
+            # shards: id(old) -> (old, new), both weak: the full-size originals go with their optimizer, the shards
+            # with the model.
+            "_sharded_params": {},
+            "_optimizers": weakref.WeakSet(),
+        }
 
     def setup_environment(self) -> None:
         """Join the process group, build the 1-D device mesh, and make the loss scaler agree across ranks."""
         super().setup_environment()
+        if self.mesh is not None:
+            return
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.root_device.type, (self.world_size,))
@@ -176,7 +166,6 @@ class FSDPStrategy(ParallelStrategy):
         for unit in reversed(units):  # innermost first: a unit's parameters must not be claimed by an outer one
             fully_shard(unit, **options)
         fully_shard(module, **options)
-        self._units[module] = units
 
         if _has_meta(module):
             module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
@@ -191,9 +180,10 @@ class FSDPStrategy(ParallelStrategy):
         return module
 
     def compile_module(self, module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
-        """Compile each FSDP unit, then the root, in place (``nn.Module.compile``): the modules FSDP hooked stay
-        the same objects, and the units' graphs sit between FSDP's all-gathers."""
-        for unit in self._units.pop(module, []):
+        """Compile each FSDP unit that ``setup_module`` made, then the root, in place (``nn.Module.compile``): the
+        modules FSDP hooked stay the same objects, and the units' graphs sit between FSDP's all-gathers."""
+        inner = module._orig_mod if type(module).__name__ == "OptimizedModule" else module
+        for unit in [m for m in inner.modules() if m is not inner and isinstance(m, FSDPModule)]:
             unit.compile(**kwargs)
         module.compile(**kwargs)
         return module
@@ -201,12 +191,10 @@ class FSDPStrategy(ParallelStrategy):
     def _mixed_precision_policy(self) -> MixedPrecisionPolicy:
         if self.mixed_precision is not None:
             return self.mixed_precision
-        name = getattr(self.precision, "name", "32-true")
-        if name == "bf16-mixed":
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if name == "16-mixed":
-            return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-        return MixedPrecisionPolicy()
+        param_dtype = getattr(self.precision, "param_dtype", None)
+        if param_dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
     @torch.no_grad()
     def _copy_from_rank_zero(self, module: nn.Module, source: dict[str, torch.Tensor]) -> None:
@@ -279,32 +267,10 @@ class FSDPStrategy(ParallelStrategy):
     def save_checkpoint(
         self, path: Any, state: Mapping[str, Any], meta: dict[str, Any], filter: Mapping[str, Callable] | None = None
     ) -> None:
-        """Write ``state`` plus fabriclite's ``meta``: a directory of shards ("sharded") or one file ("full"), both
+        """Write ``state`` plus fabriclite's ``meta``: a folder of shards ("sharded") or one file ("full"), both
         replacing ``path`` atomically, so a crash mid-save leaves the previous checkpoint loadable."""
-        checkpoint = state_to_checkpoint(state, filter)
-        checkpoint[META_KEY] = meta
-        path = Path(path)
-        if self.state_dict_type == "full":
-            full = _map_tensors(checkpoint, lambda _, t: _gathered(t, keep=self.is_global_zero))
-            if self.is_global_zero:
-                _save_file(full, path)
-        else:
-            _save_sharded(checkpoint, path, self)
-        self.barrier("save")
-
-    def load_checkpoint(
-        self, path: Any, state: dict[str, Any] | None, strict: bool = True, weights_only: bool = True
-    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Load a sharded directory or a full file, saved by any number of ranks, into ``state`` in place."""
-        if Path(path).is_dir():
-            return load_sharded_checkpoint(path, state, strict, weights_only)
-        checkpoint, meta = read_checkpoint(path, weights_only=weights_only)
-        if state is None:
-            return checkpoint, meta
-        # Each rank cuts its own slice out of the full tensors: no communication.
-        live = _LiveState(state)
-        checkpoint = _map_tensors(checkpoint, lambda p, t: _slice_like(t, live.tensor(p)))
-        return checkpoint_into_state(checkpoint, state, strict, path), meta
+        sharded = self.state_dict_type == "sharded"
+        checkpoint.save(path, checkpoint.to_checkpoint(state, meta, filter), self, sharded=sharded)
 
     def __repr__(self) -> str:
         return f"FSDPStrategy(device={self.root_device}, state_dict_type={self.state_dict_type!r})"
@@ -343,10 +309,14 @@ def _module_policy(policy: ModulePolicy, what: str) -> Callable[[nn.Module], boo
         classes = tuple(policy)
         if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
             raise TypeError(f"{what}={policy!r} must hold nn.Module subclasses, e.g. {{TransformerBlock}}.")
-        return lambda module: isinstance(module, classes)
+        return functools.partial(_instance_of, classes)  # picklable, for ddp_spawn's new processes
     if callable(policy):
         return policy
     raise TypeError(f"{what}={policy!r} must be a set of nn.Module classes or a function (module) -> bool.")
+
+
+def _instance_of(classes: tuple[type, ...], module: nn.Module) -> bool:
+    return isinstance(module, classes)
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -424,204 +394,3 @@ class _RankAgreeing:
         dist.all_reduce(any_inf, op=dist.ReduceOp.MAX)
         for value in found.values():
             value.copy_(any_inf)
-
-
-# ---------------------------------------------------------------------- checkpoint helpers
-def _map_tensors(data: Any, fn: Callable[[tuple, torch.Tensor], Any], path: tuple = ()) -> Any:
-    """``data`` with every tensor replaced by ``fn(path, tensor)``; ``path`` is the tuple of keys leading to it."""
-    if isinstance(data, torch.Tensor):
-        return fn(path, data)
-    if isinstance(data, Mapping):
-        return type(data)({k: _map_tensors(v, fn, (*path, k)) for k, v in data.items()})
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_map_tensors(v, fn, (*path, i)) for i, v in enumerate(data)))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn, (*path, i)) for i, v in enumerate(data))
-    return data
-
-
-def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()  # a collective: every rank walks the same tensors in the same order
-    return tensor.cpu() if keep else None
-
-
-class _LiveState:
-    """Finds, for a path in a checkpoint, the tensor of the object in ``state`` it will be loaded into: an entry of
-    a module's state dict, or an optimizer's state (which may not exist yet: then a tensor shaped like its parameter,
-    sharded like it)."""
-
-    def __init__(self, state: Mapping[str, Any] | None) -> None:
-        self.state = state or {}
-        self.module_tensors: dict[str, dict[str, torch.Tensor]] = {}
-
-    def tensor(self, path: tuple) -> torch.Tensor | None:
-        if not path or path[0] not in self.state:
-            return None
-        obj, rest = self.state[path[0]], path[1:]
-        if isinstance(obj, nn.Module) and len(rest) == 1:
-            if path[0] not in self.module_tensors:
-                self.module_tensors[path[0]] = obj.state_dict()
-            return self.module_tensors[path[0]].get(rest[0])
-        if isinstance(obj, torch.optim.Optimizer) and len(rest) == 3 and rest[0] == "state":
-            params = [p for group in obj.param_groups for p in group["params"]]
-            index, name = rest[1], rest[2]
-            if not isinstance(index, int) or not 0 <= index < len(params):
-                return None
-            existing = obj.state.get(params[index], {}).get(name)
-            if isinstance(existing, torch.Tensor):
-                return existing
-            return torch.empty_like(params[index].detach())
-        return None
-
-
-def _slice_like(full: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
-    if not isinstance(live, DTensor) or isinstance(full, DTensor) or full.shape != live.shape:
-        return full
-    device = live.device_mesh.device_type
-    # src_data_rank=None: every rank has the full tensor and keeps its own slice, without communication.
-    return distribute_tensor(full.to(device), live.device_mesh, live.placements, src_data_rank=None)
-
-
-def _save_file(obj: Any, path: Path) -> None:
-    if not path.is_dir():
-        atomic_save(obj, path)
-        return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # a sharded checkpoint is there: replace it whole
-    atomic_save(obj, tmp)
-    _replace(tmp, path)
-
-
-def _save_sharded(checkpoint: dict[str, Any], path: Path, strategy: FSDPStrategy) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    tensors: dict[str, torch.Tensor] = {}
-
-    def placeholder(key_path: tuple, tensor: torch.Tensor) -> torch.Tensor:
-        tensors[_tensor_key(len(tensors), key_path)] = tensor
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-
-    structure = _map_tensors(checkpoint, placeholder)
-    tmp = None
-    if strategy.is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a save that was killed
-            _remove(stale)
-        tmp = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-        atomic_save(structure, Path(tmp) / STRUCTURE_FILE)
-    tmp = strategy.broadcast(tmp)
-    dcp.save(tensors, checkpoint_id=tmp)  # every rank writes its own shards; returns once the metadata is written
-    strategy.barrier("save")
-    if strategy.is_global_zero:
-        _fsync_dir(Path(tmp))
-        _replace(Path(tmp), path)
-
-
-def _tensor_key(index: int, path: tuple) -> str:
-    # Unique through the index; the path makes the DCP metadata readable.
-    return f"{index}:" + "/".join(str(p) for p in path)
-
-
-def load_sharded_checkpoint(
-    path: str | os.PathLike, state: dict[str, Any] | None, strict: bool = True, weights_only: bool = True
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Load a sharded checkpoint directory into ``state`` in place, with any number of processes (also one process
-    without FSDP, or with no process group at all); return (what ``state`` did not consume, fabriclite's meta).
-
-    Tensors are read into the live shards of ``state`` where there are some (each rank reads only its slices),
-    else into full tensors. Usage: ``remainder, meta = load_sharded_checkpoint("ckpt/", state)``.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    path = Path(path)
-    structure_file = path / STRUCTURE_FILE
-    if not structure_file.exists():
-        raise CheckpointError(
-            f"Checkpoint directory {str(path)!r} has no {STRUCTURE_FILE}; it was not written by fabriclite's "
-            "FSDPStrategy (or the save was interrupted before finishing)."
-        )
-    structure = safe_load(structure_file, weights_only=weights_only)
-    live = _LiveState(state)
-    targets: dict[str, torch.Tensor] = {}
-
-    def target(key_path: tuple, placeholder: torch.Tensor) -> torch.Tensor:
-        tensor = live.tensor(key_path) if state is not None else None
-        if tensor is None or tensor.shape != placeholder.shape:
-            tensor = torch.empty(placeholder.shape, dtype=placeholder.dtype)
-        elif tensor.dtype != placeholder.dtype:
-            tensor = torch.empty_like(tensor, dtype=placeholder.dtype)
-        targets[_tensor_key(len(targets), key_path)] = tensor
-        return tensor
-
-    checkpoint = _map_tensors(structure, target)
-    distributed = dist.is_available() and dist.is_initialized()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(targets, checkpoint_id=str(path), no_dist=not distributed)
-    except Exception as err:
-        raise CheckpointError(
-            f"Checkpoint directory {str(path)!r} could not be read: it is incomplete or corrupt ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''})."
-        ) from err
-    meta = checkpoint.pop(META_KEY, None)
-    if state is None:
-        return checkpoint, meta
-    return checkpoint_into_state(checkpoint, state, strict, path), meta
-
-
-def consolidate(sharded_dir: str | os.PathLike, out_file: str | os.PathLike) -> None:
-    """Turn a sharded checkpoint directory into one file that ``torch.load`` reads, in the same form a "full"
-    checkpoint has (plain tensors; optimizer states keyed by parameter index, as ``optimizer.load_state_dict`` wants).
-
-    Runs in one process, without a process group. Usage: ``consolidate("last.ckpt", "last.pt")`` or
-    ``python -m fabriclite.fsdp consolidate last.ckpt last.pt``.
-    """
-    checkpoint, meta = load_sharded_checkpoint(sharded_dir, None)
-    if meta is not None:
-        checkpoint[META_KEY] = meta
-    atomic_save(checkpoint, out_file)
-
-
-# ---------------------------------------------------------------------- replacing a directory atomically
-_RENAME_EXCHANGE = 2
-
-
-def _replace(new: Path, target: Path) -> None:
-    """Put ``new`` (a file or directory) at ``target``, which at every moment holds either the old or the new."""
-    if not target.exists():
-        os.replace(new, target)
-    elif not _exchange(new, target):
-        # No atomic exchange here (not Linux, or a file system without it): a short window where target is missing.
-        old = new.with_name(new.name + ".old")
-        os.replace(target, old)
-        os.replace(new, target)
-        new = old
-    _fsync_dir(target.parent)
-    _remove(new)  # now the previous checkpoint
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) != 4 or sys.argv[1] != "consolidate":
-        sys.exit("usage: python -m fabriclite.fsdp consolidate SHARDED_DIR OUT_FILE")
-    consolidate(sys.argv[2], sys.argv[3])
-    print(f"wrote {sys.argv[3]}")

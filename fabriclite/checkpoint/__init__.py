@@ -1,0 +1,228 @@
+"""Every checkpoint format, behind the one interface the strategies call (``save``, ``load``, ``consolidate``): a
+single file (written by rank 0, sharded tensors gathered first; see ``files``), a sharded folder (every rank writes
+its own shards; see ``sharded``), each replacing its target atomically, so a crash mid-save leaves the previous
+checkpoint loadable. Plus what ``fabric.save`` adds to the user's state: every rank's global random streams (so a
+resumed run draws exactly the numbers the uninterrupted run would have drawn) and the loss scaler.
+
+Both formats load into any number of processes, with or without FSDP.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from fabriclite._collections import map_with_path
+from fabriclite.checkpoint.files import (
+    CheckpointError,
+    CheckpointIO,
+    TorchCheckpointIO,
+    atomic_save,
+    replace,
+    safe_load,
+)
+from fabriclite.checkpoint.sharded import LiveState, load_sharded, save_sharded, slice_like
+
+__all__ = [
+    "META_KEY",
+    "CheckpointError",
+    "CheckpointIO",
+    "TorchCheckpointIO",
+    "atomic_save",
+    "consolidate",
+    "load",
+    "safe_load",
+    "save",
+]
+
+# Where fabric.save keeps what it adds to the user's state: random streams, the loss scaler.
+META_KEY = "__fabriclite__"
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Return the state of Python's, NumPy's, torch's and (when initialized) CUDA's global generators.
+
+    Only tensors and plain Python values, so the result loads with ``torch.load(weights_only=True)``.
+    Usage: ``state = capture_rng_state(); ...; restore_rng_state(state)``.
+    """
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put the global generators back to a state from ``capture_rng_state``."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["key"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------- state <-> checkpoint
+def check_state(state: Any, filter: Mapping[str, Callable] | None) -> None:
+    """Raise a clear error unless ``state`` and ``filter`` are what ``fabric.save`` takes."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"fabric.save expects a dict of things to save, got {type(state).__name__}.")
+    if META_KEY in state:
+        raise ValueError(f"The key {META_KEY!r} is reserved by fabric.save; rename it in your state.")
+    for key, fn in (filter or {}).items():
+        if key not in state or not callable(fn):
+            raise ValueError(f"filter[{key!r}] must name a key of state and be a callable (name, value) -> bool.")
+
+
+def capture_meta(strategy: Any, precision: Any) -> dict[str, Any]:
+    """What ``fabric.save`` adds: each rank's random streams (a collective), so every rank resumes drawing exactly
+    what it would have drawn, and the precision's state (the loss scaler)."""
+    return {"rng_per_rank": strategy.all_gather_object(capture_rng_state()), "precision": precision.state_dict()}
+
+
+def restore_meta(meta: dict[str, Any], precision: Any, rank: int) -> None:
+    """Put back what ``capture_meta`` saved; loaded into more ranks than saved it, the others take rank 0's streams."""
+    precision.load_state_dict(meta.get("precision", {}))
+    rng_per_rank = meta["rng_per_rank"]
+    restore_rng_state(rng_per_rank[rank] if rank < len(rng_per_rank) else rng_per_rank[0])
+
+
+def to_checkpoint(
+    state: Mapping[str, Any], meta: dict[str, Any] | None = None, filter: Mapping[str, Callable] | None = None
+) -> dict[str, Any]:
+    """The dict to write for ``fabric.save``: each object's ``state_dict()`` (filtered), plain values as they are,
+    and fabriclite's ``meta`` under ``META_KEY``."""
+    checkpoint: dict[str, Any] = {}
+    for key, obj in state.items():
+        value = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+        if filter and key in filter:
+            value = {name: v for name, v in value.items() if filter[key](name, v)}
+        checkpoint[key] = value
+    if meta is not None:
+        checkpoint[META_KEY] = meta
+    return checkpoint
+
+
+def checkpoint_into_state(checkpoint: dict[str, Any], state: dict[str, Any], strict: bool, path: Any) -> dict[str, Any]:
+    """Load ``checkpoint`` into ``state`` in place (objects via ``load_state_dict``, plain values by assignment);
+    return the entries ``state`` did not ask for."""
+    missing = [key for key in state if key not in checkpoint]
+    if strict and missing:
+        raise KeyError(
+            f"Checkpoint {str(path)!r} lacks the keys {missing}; it has {sorted(checkpoint)}. "
+            "Pass strict=False to load what is there."
+        )
+    for key, obj in list(state.items()):
+        if key not in checkpoint:
+            continue
+        value = checkpoint.pop(key)
+        if isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(value, strict=strict)
+        elif callable(getattr(obj, "load_state_dict", None)):
+            obj.load_state_dict(value)
+        else:
+            state[key] = value
+    return checkpoint
+
+
+# ---------------------------------------------------------------------- saving and loading, both formats
+def save(path: str | os.PathLike, checkpoint: dict[str, Any], strategy: Any, sharded: bool) -> None:
+    """Write ``checkpoint`` to ``path``, replacing what is there atomically: a folder of shards written by every rank
+    (``sharded``), else one file written by rank 0 (sharded tensors gathered first). Every rank calls it;
+    ``strategy`` gives the collectives (``broadcast``, ``barrier``), the rank and the ``checkpoint_io``."""
+    path = Path(path)
+    if sharded:
+        save_sharded(checkpoint, path, strategy)
+    else:
+        full = map_with_path(checkpoint, torch.Tensor, lambda _, t: _gathered(t, keep=strategy.is_global_zero))
+        if strategy.is_global_zero:
+            _save_file(full, path, strategy.checkpoint_io)
+    strategy.barrier("save")
+
+
+def load(
+    path: str | os.PathLike,
+    state: dict[str, Any] | None,
+    strict: bool = True,
+    weights_only: bool = True,
+    checkpoint_io: CheckpointIO | None = None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Load a checkpoint file or sharded folder, saved by any number of ranks, into ``state`` in place; return (what
+    ``state`` did not consume, fabriclite's meta). Without ``state``, return the whole checkpoint.
+
+    Usage: ``remainder, meta = load("last.ckpt", {"model": model})``.
+    """
+    if Path(path).is_dir():
+        checkpoint = load_sharded(Path(path), state, weights_only)
+    else:
+        checkpoint = (checkpoint_io or TorchCheckpointIO()).load_checkpoint(path, weights_only=weights_only)
+        if state is not None and "torch.distributed.tensor" in sys.modules:  # no DTensor can exist otherwise
+            # Each rank cuts its own slice out of the full tensors: no communication.
+            live = LiveState(state, templates_only=True)
+            checkpoint = map_with_path(checkpoint, torch.Tensor, lambda p, t: slice_like(t, live.tensor(p)))
+    meta = checkpoint.pop(META_KEY, None)
+    if state is None:
+        return checkpoint, meta
+    return checkpoint_into_state(checkpoint, state, strict, path), meta
+
+
+def consolidate(sharded_dir: str | os.PathLike, out_file: str | os.PathLike) -> None:
+    """Turn a sharded checkpoint folder into one file that ``torch.load`` reads, in the form a one-file checkpoint
+    has (plain tensors; optimizer states keyed by parameter index, as ``optimizer.load_state_dict`` wants).
+
+    Runs in one process, without a process group. Usage: ``consolidate("last.ckpt", "last.pt")`` or
+    ``fabriclite consolidate last.ckpt last.pt``.
+    """
+    checkpoint = load_sharded(Path(sharded_dir), None, weights_only=True)
+    atomic_save(checkpoint, out_file)
+
+
+def load_raw(path: str | os.PathLike, obj: Any, strict: bool = True, weights_only: bool = True) -> None:
+    """Load a plain state dict (e.g. ``torch.save(model.state_dict())``) into a module or an optimizer."""
+    state_dict = safe_load(path, weights_only=weights_only)
+    if isinstance(obj, torch.nn.Module):
+        obj.load_state_dict(state_dict, strict=strict)
+    elif isinstance(obj, torch.optim.Optimizer):
+        obj.load_state_dict(state_dict)
+    else:
+        raise TypeError(f"fabric.load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
+
+
+def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    if type(tensor).__name__ == "DTensor":
+        tensor = tensor.full_tensor().cpu()  # a collective: every rank walks the same tensors in the same order
+    return tensor if keep else None
+
+
+def _save_file(checkpoint: dict[str, Any], path: Path, checkpoint_io: CheckpointIO) -> None:
+    if not path.is_dir():
+        checkpoint_io.save_checkpoint(checkpoint, path)
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # a sharded checkpoint is there: replace it whole
+    checkpoint_io.save_checkpoint(checkpoint, tmp)
+    replace(tmp, path)

@@ -1,0 +1,155 @@
+"""What every multi-process strategy shares: the launcher, the process group, the collectives, and sharding the
+data. Imported only when a strategy with more than one process is chosen, so single-process scripts never load
+``torch.distributed``'s heavier parts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from fabriclite import collectives
+from fabriclite.accelerators import Accelerator
+from fabriclite.checkpoint import CheckpointIO
+from fabriclite.data import distributed_loader
+from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher
+from fabriclite.plugins.environments import ProcessEnvironment, cpu_threads_per_process, detect_environment
+from fabriclite.strategies.strategy import Strategy
+
+_START_METHODS = {"subprocess": SubprocessLauncher, "spawn": SpawnLauncher}
+
+
+class ParallelStrategy(Strategy):
+    """A strategy running one process per device, joined in a ``torch.distributed`` process group.
+
+    ``timeout`` bounds how long a collective waits for a rank that died or hangs before raising.
+    """
+
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: str = "subprocess",
+        checkpoint_io: CheckpointIO | None = None,
+    ) -> None:
+        super().__init__(checkpoint_io=checkpoint_io)
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not supported. Valid choices: 'subprocess', 'spawn'.")
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout={timeout!r} must be a datetime.timedelta.")
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout
+        self.start_method = start_method
+        self.num_nodes = 1
+        self.local_processes = 1
+
+    def _process_state(self) -> dict[str, Any]:
+        environment: ProcessEnvironment | None = None  # read in configure, or once our launcher has set it
+        return {**super()._process_state(), "environment": environment}
+
+    def configure(self, accelerator: Accelerator, num_nodes: int = 1) -> None:
+        """Read the environment: processes that are already running join it; otherwise pick the launcher that
+        starts them (then this process becomes rank 0)."""
+        self.accelerator = accelerator
+        self.num_nodes = num_nodes
+        self.local_processes = len(accelerator.device_indices)
+        expected = self.local_processes * num_nodes
+        self.environment = detect_environment()
+        if self.environment is not None:
+            if self.environment.world_size != expected:
+                raise ValueError(
+                    f"This process was launched by {self.environment.source} with WORLD_SIZE={self.environment.world_size}, "
+                    f"but Fabric was configured for devices * num_nodes = {self.local_processes} * {num_nodes} = "
+                    f"{expected}. Make them match."
+                )
+            self.launcher = InProcessLauncher()
+        elif num_nodes > 1:
+            raise ValueError(
+                f"num_nodes={num_nodes} needs the processes to be started by torchrun, SLURM or "
+                "`fabriclite run --num-nodes`; a plain `python script.py` starts processes on one node only."
+            )
+        else:
+            self.launcher = _START_METHODS[self.start_method](self.local_processes)
+        self.root_device = accelerator.device(self.local_rank)
+
+    # Process layout: from whoever started this process; before launching, this process is rank 0 of the planned run.
+    @property
+    def world_size(self) -> int:
+        return self.environment.world_size if self.environment else self.local_processes * self.num_nodes
+
+    @property
+    def global_rank(self) -> int:
+        return self.environment.global_rank if self.environment else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.environment.local_rank if self.environment else 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.environment.node_rank if self.environment else 0
+
+    def setup_environment(self) -> None:
+        """Join the process group (gloo on CPU, nccl on CUDA) and give each CPU process its share of the cores."""
+        if self.environment is None:  # our own launcher has just put this process's rank in the environment
+            self.environment = detect_environment()
+        super().setup_environment()
+        if dist.is_initialized():
+            return
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(cpu_threads_per_process(self.local_processes))
+        backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        if self.environment is not None:  # e.g. SLURM names the main node but sets no MASTER_* variables
+            os.environ.setdefault("MASTER_ADDR", self.environment.main_address)
+            os.environ.setdefault("MASTER_PORT", str(self.environment.main_port))
+        dist.init_process_group(
+            backend, init_method="env://", rank=self.global_rank, world_size=self.world_size, timeout=self.timeout
+        )
+        # A gloo group still alive when the interpreter exits can abort the process (SIGABRT): close it first.
+        atexit.register(self.teardown)
+
+    def teardown(self) -> None:
+        if not dist.is_initialized():
+            return
+        # Objects still holding the group (compiled graphs, device meshes, reference cycles) would keep its gloo
+        # threads alive into interpreter finalization, where destroying them can abort the process. Release them
+        # while the interpreter is still whole.
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:
+            dynamo.reset()
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
+
+    def process_dataloader(self, dataloader: DataLoader, use_distributed_sampler: bool) -> DataLoader:
+        """Give each rank its shard: a copy of the loader with a distributed sampler, keeping shuffle and seed."""
+        if not use_distributed_sampler:
+            return dataloader
+        seed = int(os.environ.get("FABRICLITE_GLOBAL_SEED", 0))
+        return distributed_loader(dataloader, self.world_size, self.global_rank, seed)
+
+    # Collectives: before the process group exists (or after teardown) there is nobody to exchange with.
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return collectives.broadcast_object(obj, src) if dist.is_initialized() else obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return collectives.all_gather_object(obj) if dist.is_initialized() else [obj]
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: str = "mean") -> torch.Tensor:
+        return collectives.all_reduce(tensor, reduce_op, group) if dist.is_initialized() else tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> Any:
+        """Stack every rank's tensor along a new first dimension; when first dimensions differ, return the list."""
+        return collectives.all_gather(tensor, group, sync_grads) if dist.is_initialized() else tensor

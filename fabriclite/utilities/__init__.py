@@ -1,0 +1,10 @@
+"""Helpers for training scripts, at Lightning Fabric's import path ``lightning.fabric.utilities``.
+
+Usage: ``from fabriclite.utilities import seed_everything, move_data_to_device``.
+"""
+
+from fabriclite._collections import apply_to_collection
+from fabriclite._collections import move_to_device as move_data_to_device
+from fabriclite.seed import seed_everything
+
+__all__ = ["apply_to_collection", "move_data_to_device", "seed_everything"]

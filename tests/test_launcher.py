@@ -1,0 +1,52 @@
+"""The launchers, through their one interface ``launch(function, *args, **kwargs)``: in this process, by running
+the script again (subprocess), and in new processes (spawn). Each multi-process run carries a timeout."""
+
+import pickle
+import re
+
+import pytest
+
+from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher
+from helpers import SCRIPTS, run_python
+
+
+def passed(output):
+    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
+
+
+def test_in_process_runs_the_function_here_and_returns_its_result():
+    calls = []
+    result = InProcessLauncher().launch(lambda a, b=0: calls.append((a, b)) or a + b, 2, b=3)
+    assert result == 5 and calls == [(2, 3)]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "starts", "needs_function"),
+    [(InProcessLauncher(), False, False), (SubprocessLauncher(2), True, False), (SpawnLauncher(2), True, True)],
+)
+def test_each_launcher_says_whether_it_starts_processes_and_needs_a_function(launcher, starts, needs_function):
+    assert (launcher.starts_processes, launcher.needs_function) == (starts, needs_function)
+
+
+def test_a_spawn_launcher_pickles_so_a_strategy_can_travel():
+    launcher = pickle.loads(pickle.dumps(SpawnLauncher(3)))
+    assert launcher.processes == 3
+
+
+def test_subprocess_runs_the_script_again_with_the_rank_in_the_environment():
+    out = run_python(str(SCRIPTS / "launcher_checks.py"), "subprocess", timeout=180).stdout
+    for name in (
+        "the rank is in the environment",
+        "the arguments arrive",
+        "the function runs in this process",
+    ):
+        assert {("0", name), ("1", name)} <= passed(out), out[-2000:]
+    assert ("0", "launching twice is refused") in passed(out), out[-2000:]
+
+
+def test_spawn_runs_the_function_in_new_processes_and_returns_rank_zeros_result():
+    out = run_python(str(SCRIPTS / "launcher_checks.py"), "spawn", timeout=180).stdout
+    for name in ("the rank is in the environment", "the arguments arrive"):
+        assert {("0", name), ("1", name)} <= passed(out), out[-2000:]
+    for name in ("rank 0's result comes back", "this process stays outside the run"):
+        assert ("0", name) in passed(out), out[-2000:]
