@@ -15,9 +15,7 @@ from typing import Any, Callable
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 
-# Strategies of the distributed work; they parse today so scripts fail with a clear message, not a typo error.
-DISTRIBUTED_STRATEGIES = ("ddp", "ddp_spawn", "fsdp")
-STRATEGIES = ("auto", "single_device", *DISTRIBUTED_STRATEGIES)
+STRATEGIES = ("auto", "single_device", "dp", "ddp", "ddp_spawn", "fsdp")
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}

@@ -237,6 +237,20 @@ class _FabricDataLoader:
         self._resume_from = (state["yielded"], state["epoch_rng"]) if state["in_epoch"] else None
 
 
+def wrap_loader(
+    loader: DataLoader, strategy: Any, use_distributed_sampler: bool, device: torch.device | None
+) -> _FabricDataLoader:
+    """What ``fabric.setup_dataloaders`` does to one loader: this rank's shard of it (``strategy.process_dataloader``),
+    wrapped to move batches to ``device`` and keep its position."""
+    if isinstance(loader, _FabricDataLoader):
+        raise ValueError("This DataLoader was already set up by fabric.setup_dataloaders; pass it only once.")
+    if not isinstance(loader, DataLoader):
+        raise TypeError(
+            f"fabric.setup_dataloaders expects torch.utils.data.DataLoader objects, got {type(loader).__name__}."
+        )
+    return _FabricDataLoader(strategy.process_dataloader(loader, use_distributed_sampler), device)
+
+
 class FabricDistributedSampler(DistributedSampler):
     """``DistributedSampler`` that can say which of this rank's samples are padding (repeated to even out ranks),
     so metrics can drop them. Over a user's own sampler, it shards that sampler's indices, drawn anew each epoch.

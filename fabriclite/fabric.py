@@ -7,8 +7,6 @@ walks through the layers beneath it.
 from __future__ import annotations
 
 import os
-import warnings
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Callable, ContextManager
@@ -19,13 +17,15 @@ from torch.utils.data import DataLoader
 from fabriclite import checkpoint, choices
 from fabriclite._collections import apply_to_collection, convert_to_tensors, move_to_device, to_python_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
+from fabriclite.callbacks import call_hook
 from fabriclite.compile import CompileWatch, compile_kwargs
-from fabriclite.data import _FabricDataLoader
+from fabriclite.data import wrap_loader
+from fabriclite.kernels import kernels_usable
 from fabriclite.plugins import split_plugins
 from fabriclite.plugins.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy, select_strategy
-from fabriclite.wrappers import _FabricModule, _FabricOptimizer
+from fabriclite.wrappers import _FabricModule, _FabricOptimizer, wrap_model
 
 
 def _as_list(value: Any) -> list:
@@ -39,7 +39,7 @@ def _rebuild_fabric(init_kwargs: dict[str, Any]) -> Fabric:
 
 
 class Fabric:
-    """Mixed precision, device placement, checkpoints and (later) distributed training for a raw PyTorch loop.
+    """Mixed precision, device placement, checkpoints, distributed training and compilation for a raw PyTorch loop.
 
     The API is Lightning Fabric's: a script written for ``lightning.fabric`` runs by changing its import.
     Usage::
@@ -85,12 +85,11 @@ class Fabric:
         self._strategy.configure(self._accelerator, nodes)
         self._precision: Precision = user_precision or select_precision(precision_name, self._strategy.root_device)
         self._strategy.precision = self._precision
-        self._kernels = bool(kernels) and self._kernels_usable()
+        self._kernels = bool(kernels) and kernels_usable(self.device)
         self._compile = compile_kwargs(compile)
         self._compile_watches: list[CompileWatch] = []
         self._callbacks = _as_list(callbacks)
         self._loggers = _as_list(loggers)
-        self._setup_modules: weakref.WeakSet = weakref.WeakSet()
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
         self._backward_ready = self._precision.scaler is None
         # The processes exist already (one process, or started by torchrun, SLURM, `fabriclite run` or our own
@@ -103,18 +102,11 @@ class Fabric:
         # A Fabric pickles as its arguments: what ddp_spawn sends to each new process, where it is built again.
         return (_rebuild_fabric, (self._init_kwargs,))
 
-    def _kernels_usable(self) -> bool:
-        from fabriclite.kernels import kernels_available  # cheap: does not import triton
+    def __copy__(self) -> Fabric:
+        return self  # one per process: a copied model (say, an EMA of a LightningModule) shares it
 
-        if kernels_available(self.device):
-            return True
-        warnings.warn(
-            f"Fabric(kernels=True): fabriclite's Triton kernels need a CUDA device and triton; on {self.device} the "
-            "models keep torch's LayerNorm/RMSNorm. The script runs unchanged.",
-            UserWarning,
-            stacklevel=3,
-        )
-        return False
+    def __deepcopy__(self, memo: dict) -> Fabric:
+        return self
 
     # ------------------------------------------------------------------ properties
     @property
@@ -190,11 +182,12 @@ class Fabric:
 
         ``compile`` overrides ``Fabric(compile=...)`` for this model. Usage: ``model, optimizer = fabric.setup(model, optimizer)``.
         """
-        module = self.setup_module(module, move_to_device=move_to_device, compile=compile)
+        wrapped_module = self._wrap_module(module, move_to_device, compile)
         wrapped = [self._setup_optimizer(optimizer) for optimizer in optimizers]
+        self._after_setup(wrapped_module, wrapped)
         if scheduler is not None:
-            return (module, *wrapped, scheduler)
-        return (module, *wrapped) if wrapped else module
+            return (wrapped_module, *wrapped, scheduler)
+        return (wrapped_module, *wrapped) if wrapped else wrapped_module
 
     def setup_module(
         self,
@@ -206,37 +199,28 @@ class Fabric:
 
         Usage: ``model = fabric.setup_module(model, compile=True)``.
         """
-        self._check_launched("setup")
-        if isinstance(module, _FabricModule):
-            raise ValueError("This model was already set up by fabric.setup; pass each model to setup only once.")
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"fabric.setup expects a torch.nn.Module, got {type(module).__name__}.")
-        # A model the user compiled before setup keeps its compiled forward; the rest works on the model inside.
-        user_compiled = type(module).__name__ == "OptimizedModule" and isinstance(
-            getattr(module, "_orig_mod", None), torch.nn.Module
-        )
-        original = module._orig_mod if user_compiled else module
-        if original in self._setup_modules:
-            raise ValueError(
-                f"{type(original).__name__} was already set up by this Fabric; use the module setup returned."
-            )
-        kwargs = self._compile if compile is None else compile_kwargs(compile, "setup(compile=...)")
-        if self._kernels:  # before DDP/FSDP wrap anything, so they shard the fused modules
-            from fabriclite.kernels import swap_modules
+        wrapped = self._wrap_module(module, move_to_device, compile)
+        self._after_setup(wrapped, None)
+        return wrapped
 
-            swap_modules(original)
-        self._precision.convert_module(original)
-        if move_to_device:
-            self._strategy.module_to_device(original)
-        forward_module = self._strategy.setup_module(module)
-        watch = None
-        if kwargs is not None and not user_compiled:
-            # After the strategy's wrapper, as PyTorch recommends (DDP's graph splitting needs it; FSDP per unit).
-            forward_module = self._strategy.compile_module(forward_module, kwargs)
-            watch = CompileWatch(type(original).__name__)
-            self._compile_watches.append(watch)
-        self._setup_modules.add(original)
-        return _FabricModule(forward_module, self._precision, original_module=original, watch=watch)
+    def _wrap_module(self, module: torch.nn.Module, move_to_device: bool, compile: Any) -> _FabricModule:
+        self._check_launched("setup")
+        kwargs = self._compile if compile is None else compile_kwargs(compile, "setup(compile=...)")
+        device = self.device if move_to_device else None
+        wrapped = wrap_model(module, self._strategy, self._precision, self._kernels, kwargs, device)
+        if wrapped._watch is not None:
+            self._compile_watches.append(wrapped._watch)
+        return wrapped
+
+    def _after_setup(self, module: _FabricModule, optimizers: list[_FabricOptimizer] | None) -> None:
+        original = module.module
+        if hasattr(original, "_fabric"):  # a LightningModule (duck typed): self.log, self.logger go through us
+            original._fabric = self
+            if optimizers is not None:
+                original._fabric_optimizers = optimizers
+            if not any(callback is original for callback in self._callbacks):
+                self._callbacks.append(original)
+        self.call("on_after_setup", fabric=self, module=module)
 
     def compile_report(self) -> list[dict[str, Any]]:
         """What torch.compile did for each model set up with ``compile=...``: graphs and graph breaks after the
@@ -265,7 +249,7 @@ class Fabric:
             )
         optimizer = self._strategy.setup_optimizer(optimizer)
         self._backward_ready = True
-        return _FabricOptimizer(optimizer, self._precision)
+        return _FabricOptimizer(optimizer, self._precision, self._strategy, self._callbacks)
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
@@ -277,16 +261,8 @@ class Fabric:
         self._check_launched("setup_dataloaders")
         if not dataloaders:
             raise ValueError("fabric.setup_dataloaders needs at least one DataLoader.")
-        wrapped = []
-        for loader in dataloaders:
-            if isinstance(loader, _FabricDataLoader):
-                raise ValueError("This DataLoader was already set up by fabric.setup_dataloaders; pass it only once.")
-            if not isinstance(loader, DataLoader):
-                raise TypeError(
-                    f"fabric.setup_dataloaders expects torch.utils.data.DataLoader objects, got {type(loader).__name__}."
-                )
-            loader = self._strategy.process_dataloader(loader, use_distributed_sampler)
-            wrapped.append(_FabricDataLoader(loader, self.device if move_to_device else None))
+        device = self.device if move_to_device else None
+        wrapped = [wrap_loader(loader, self._strategy, use_distributed_sampler, device) for loader in dataloaders]
         return wrapped[0] if len(wrapped) == 1 else wrapped
 
     # ------------------------------------------------------------------ the training step
@@ -322,13 +298,9 @@ class Fabric:
                 f"Pass exactly one of clip_val or max_norm, got clip_val={clip_val!r}, max_norm={max_norm!r}."
             )
         inner = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
-        self._precision.unscale_gradients(inner)
         if clip_val is not None:
-            torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
-            return None
-        if self._precision.scaler is not None:
-            error_if_nonfinite = False
-        return self._strategy.clip_gradients_norm(module, max_norm, norm_type, error_if_nonfinite)
+            return self._strategy.clip_gradients_value(module, inner, clip_val)
+        return self._strategy.clip_gradients_norm(module, inner, max_norm, norm_type, error_if_nonfinite)
 
     def autocast(self) -> ContextManager:
         """The precision's forward context, for code outside the model's forward that should run in it.
@@ -481,14 +453,11 @@ class Fabric:
             logger.log_metrics(metrics, step=step)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
-        """Call ``hook_name(*args, **kwargs)`` on every callback that has it.
+        """Call ``hook_name`` on every callback that has it, with ``args`` and the ``kwargs`` its signature accepts.
 
         Usage: ``fabric.call("on_train_epoch_end", results=results)``.
         """
-        for callback in self._callbacks:
-            method = getattr(callback, hook_name, None)
-            if callable(method):
-                method(*args, **kwargs)
+        call_hook(self._callbacks, hook_name, *args, **kwargs)
 
     def progress(self, iterable: Iterable, desc: str | None = None, **kwargs: Any) -> Iterable:
         """A progress bar on rank 0 (quiet off a terminal); ``bar.set_metrics(loss=...)`` shows values.

@@ -1,21 +1,74 @@
-"""The thin wrappers ``Fabric.setup`` returns: a module whose forward runs under the precision, and an optimizer
-whose step goes through the loss scaler. Both look like what they wrap: same ``state_dict`` keys, attribute
+"""The thin wrappers ``Fabric.setup`` returns, and how a model becomes one (``wrap_model``): a module whose forward
+runs under the precision, and an optimizer whose step goes through the loss scaler. Both look like what they wrap: same ``state_dict`` keys, attribute
 access passes through, ``isinstance`` checks against the user's optimizer class hold.
+
+Under a multi-process strategy, the model's other methods are guarded: the LightningModule step methods (and any
+method marked with ``mark_forward_method``) run through the strategy's forward, so DDP averages their gradients
+and FSDP gathers the weights they use; any other method that runs the model raises, naming
+``mark_forward_method``, instead of letting the replicas drift apart in silence.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable
 
 import torch
 
+from fabriclite.callbacks import call_hook
+from fabriclite.compile import CompileWatch
 from fabriclite.plugins.precision import Precision
+
+# The LightningModule methods that run the model, routed through forward as Lightning Fabric does.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def wrap_model(
+    module: torch.nn.Module,
+    strategy: Any,
+    precision: Precision,
+    kernels: bool,
+    compile_kwargs: dict[str, Any] | None,
+    device: torch.device | None,
+) -> _FabricModule:
+    """The model ``fabric.setup`` returns, made in this order: Triton kernels swapped in, the precision's
+    conversion, the move to ``device`` (None: left where it is), the strategy's wrapper (DDP, FSDP), then
+    ``torch.compile`` around that wrapper, as PyTorch recommends (DDP's graph splitting needs it; FSDP per unit).
+
+    A model the user compiled before setup keeps its compiled forward; the rest works on the model inside.
+    Usage: ``model = wrap_model(net, strategy, precision, kernels=False, compile_kwargs=None, device=device)``.
+    """
+    if isinstance(module, _FabricModule):
+        raise ValueError("This model was already set up by fabric.setup; pass the model you built, not this one.")
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"fabric.setup expects a torch.nn.Module, got {type(module).__name__}.")
+    user_compiled = type(module).__name__ == "OptimizedModule" and isinstance(
+        getattr(module, "_orig_mod", None), torch.nn.Module
+    )
+    original = module._orig_mod if user_compiled else module
+    if kernels:  # before DDP/FSDP wrap anything, so they shard the fused modules
+        from fabriclite.kernels import swap_modules
+
+        swap_modules(original)
+    precision.convert_module(original)
+    if device is not None:
+        strategy.module_to_device(original)
+    forward_module = strategy.setup_module(module)
+    watch = None
+    if compile_kwargs is not None and not user_compiled:
+        forward_module = strategy.compile_module(forward_module, compile_kwargs)
+        watch = CompileWatch(type(original).__name__)
+    guard = strategy.syncs_in_forward
+    return _FabricModule(forward_module, precision, original, watch=watch, guard_methods=guard, device=device)
 
 
 class _FabricModule(torch.nn.Module):
     """Runs the module's forward under the precision's context and casts.
 
     ``forward_module`` is what runs (possibly a DDP/compiled wrapper); ``module`` is the user's original module.
+    ``guard_methods``: the strategy's forward does work of its own (gradient sync, weight gathering), so other
+    methods that run the model must go through it. ``device``: where the model was put.
     """
 
     def __init__(
@@ -24,11 +77,17 @@ class _FabricModule(torch.nn.Module):
         precision: Precision,
         original_module: torch.nn.Module | None = None,
         watch: Any = None,
+        guard_methods: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
         self._original_module = original_module if original_module is not None else forward_module
         self._precision = precision
+        self._guard_methods = guard_methods
+        self._forward_methods = set(STEP_METHODS)
+        self._device = device
+        self._watch = watch
         # Chosen once: 32-true calls the module directly, the hot path has no context and no casts.
         # Kept as plain attributes: reading a submodule goes through nn.Module.__getattr__, microseconds per step.
         self._forward_call = forward_module.__call__
@@ -36,11 +95,36 @@ class _FabricModule(torch.nn.Module):
         self._fabric_forward = forward
         if watch is not None:  # a compiled model: count what the compiler does in the first calls, then stop
             self._fabric_forward = watch.wrap(forward, stop=lambda: setattr(self, "_fabric_forward", forward))
+        self._initialized = True
 
     @property
     def module(self) -> torch.nn.Module:
         """The user's original module."""
         return self._original_module
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model was put on in setup (where its parameters are, without ``move_to_device``)."""
+        if self._device is not None:
+            return self._device
+        return next(self._original_module.parameters(), torch.empty(0)).device
+
+    def mark_forward_method(self, method: str | Callable) -> None:
+        """Let the model's method ``method`` (a name or the bound method) run through the strategy's forward, like
+        the LightningModule step methods do: under DDP its gradients are averaged, under FSDP its weights gathered.
+
+        Usage: ``model.mark_forward_method("generate")`` after ``model = fabric.setup(model)``.
+        """
+        name = method if isinstance(method, str) else getattr(method, "__name__", None)
+        if not isinstance(name, str):
+            raise TypeError(f"mark_forward_method expects a method name or a bound method, got {method!r}.")
+        if name == "forward":
+            raise ValueError("forward already runs through the strategy; mark_forward_method is for other methods.")
+        if not inspect.ismethod(getattr(self._original_module, name, None)):
+            raise AttributeError(
+                f"mark_forward_method({name!r}): {type(self._original_module).__name__} has no method {name!r}."
+            )
+        self._forward_methods.add(name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._fabric_forward(*args, **kwargs)
@@ -80,27 +164,95 @@ class _FabricModule(torch.nn.Module):
         try:
             return super().__getattr__(name)  # parameters, buffers, submodules of the wrapper itself
         except AttributeError:
-            original = super().__getattr__("_original_module")
+            pass
+        original = super().__getattr__("_original_module")
+        if not self.__dict__.get("_guard_methods"):
             return getattr(original, name)
+        if name in self.__dict__["_forward_methods"]:
+            return self._through_forward(name)
+        attribute = getattr(original, name)
+        return self._refusing_to_run_the_model(attribute, name) if inspect.ismethod(attribute) else attribute
+
+    def _through_forward(self, name: str) -> Callable[..., Any]:
+        """``original.<name>``, called from inside the strategy's forward: for one call, the original module's
+        ``forward`` is replaced by a function that puts it back and runs the method."""
+        original = self._original_module
+
+        @functools.wraps(getattr(original, name))
+        def call(*args: Any, **kwargs: Any) -> Any:
+            def method_as_forward(*args: Any, **kwargs: Any) -> Any:
+                put_back()  # the method may call the real forward itself
+                return getattr(original, name)(*args, **kwargs)
+
+            put_back = _replace_forward(original, method_as_forward)
+            try:
+                return self._fabric_forward(*args, **kwargs)
+            finally:
+                put_back()
+
+        return call
+
+    def _refusing_to_run_the_model(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``method``, stopped with a clear error as soon as it runs the model's forward or any of its layers:
+        outside the strategy's forward, DDP would not average the gradients and FSDP would not gather the weights."""
+        original = self._original_module
+
+        def refuse(*_: Any, **__: Any) -> None:
+            raise RuntimeError(
+                f"{type(original).__name__}.{name}() runs the model outside the strategy's forward, so its gradients "
+                f"would not be synchronised across processes. Call `model.mark_forward_method({name!r})` after "
+                f"fabric.setup to route it through the forward, or call it on `model.module` if that is what you want."
+            )
+
+        @functools.wraps(method)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            handles = [module.register_forward_pre_hook(refuse, prepend=True) for module in original.modules()]
+            put_back = _replace_forward(original, refuse)  # also a direct `self.forward(x)` inside the method
+            try:
+                return method(*args, **kwargs)
+            finally:
+                put_back()
+                for handle in handles:
+                    handle.remove()
+
+        return guarded
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # Attributes the user's module already has are set there, so `model.flag = True` reaches the model.
-        original = self.__dict__.get("_modules", {}).get("_original_module")
-        if (
-            original is not None
-            and not name.startswith("_")
-            and hasattr(original, name)
-            and not hasattr(type(self), name)
-        ):
+        # After setup, attributes reach the user's module: new ones, and those it has (`model.flag = True`); the
+        # wrapper keeps its own (and sets both where both have one, e.g. `training`).
+        if not self.__dict__.get("_initialized"):
+            super().__setattr__(name, value)
+            return
+        original = self._original_module
+        on_wrapper = name in self.__dict__ or hasattr(type(self), name) or name in self._modules
+        if hasattr(original, name) or not on_wrapper:
             setattr(original, name, value)
-        else:
+        if on_wrapper:
             super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         return f"_FabricModule({self._original_module!r})"
 
 
-_OPTIMIZER_WRAPPER_ATTRS = frozenset({"_optimizer", "_precision"})
+def _replace_forward(module: torch.nn.Module, function: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``module.forward`` be ``function`` (an instance attribute over the class's method); return a function
+    that puts back what was there before, once, however often it is called."""
+    saved = module.__dict__.get("forward")
+    module.forward = function
+    done = []
+
+    def put_back() -> None:
+        if not done:
+            done.append(True)
+            if saved is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = saved
+
+    return put_back
+
+
+_OPTIMIZER_WRAPPER_ATTRS = frozenset({"_optimizer", "_precision", "_strategy", "_callbacks"})
 
 
 class _FabricOptimizer:
@@ -112,9 +264,18 @@ class _FabricOptimizer:
     ``load_state_dict`` replaces them.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        strategy: Any = None,
+        callbacks: list[Any] | None = None,
+    ) -> None:
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "_precision", precision)
+        object.__setattr__(self, "_strategy", strategy)
+        # The Fabric's own list: callbacks added after setup (a LightningModule) are called too.
+        object.__setattr__(self, "_callbacks", callbacks if callbacks is not None else [])
         object.__setattr__(
             self, "__class__", type("Fabric" + type(optimizer).__name__, (_FabricOptimizer, type(optimizer)), {})
         )
@@ -151,8 +312,12 @@ class _FabricOptimizer:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         # `step` is looked up on every call: an LR scheduler may have wrapped the inner optimizer's since setup.
         if closure is None:
-            return self._precision.optimizer_step(self._optimizer)
-        return self._precision.optimizer_step(self._optimizer, closure=closure)
+            output = self._precision.optimizer_step(self._optimizer)
+        else:
+            output = self._precision.optimizer_step(self._optimizer, closure=closure)
+        if self._callbacks:
+            call_hook(self._callbacks, "on_after_optimizer_step", strategy=self._strategy, optimizer=self._optimizer)
+        return output
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from importlib.util import find_spec
 from typing import Any
 
@@ -35,7 +36,7 @@ _LAZY = {
     "swap_modules": "swap",
 }
 
-__all__ = [*_LAZY, "kernels_available"]
+__all__ = [*_LAZY, "kernels_available", "kernels_usable"]
 
 
 def kernels_available(device: torch.device | str) -> bool:
@@ -54,6 +55,23 @@ def kernels_available(device: torch.device | str) -> bool:
         return torch.cuda.get_device_capability(index) >= (7, 0)
     if device.type == "cpu":
         return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+    return False
+
+
+def kernels_usable(device: torch.device | str) -> bool:
+    """``kernels_available(device)``, saying once in a warning why not when they are not (``Fabric(kernels=True)``
+    leaves the model's layers as they are then).
+
+    Usage: ``if kernels_usable(fabric.device): swap_modules(model)``.
+    """
+    if kernels_available(device):
+        return True
+    warnings.warn(
+        f"Fabric(kernels=True): fabriclite's Triton kernels need a CUDA device and triton; on {device} the "
+        "models keep torch's LayerNorm/RMSNorm. The script runs unchanged.",
+        UserWarning,
+        stacklevel=3,  # the line that built the Fabric
+    )
     return False
 
 

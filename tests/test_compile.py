@@ -69,7 +69,7 @@ def test_a_model_compiled_by_the_user_keeps_working_and_is_not_compiled_twice():
     assert list(wrapped.state_dict()) == keys
     assert wrapped(torch.randn(2, 6)).shape == (2, 3)
     with pytest.raises(ValueError, match="already set up"):
-        fabric.setup(model)
+        fabric.setup(wrapped)
 
 
 def test_graph_breaks_are_counted_with_their_reason():

@@ -161,7 +161,10 @@ class TruePrecision(_ScaledPrecision):
         self.scaler = _HalfGradScaler(device.type) if self.dtype == torch.float16 else None
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module.to(dtype=self.dtype)
+        # Floating parameters and buffers only: ``module.to(dtype)`` would also turn complex buffers (RoPE tables,
+        # spectral layers) real, dropping their imaginary part with only a warning.
+        dtype = self.dtype
+        return module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def forward_context(self) -> ContextManager:
         return default_dtype(self.dtype)

@@ -7,13 +7,22 @@ import FSDPStrategy`` works as usual. ``select_strategy`` turns a strategy name 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from fabriclite.accelerators import Accelerator
 from fabriclite.choices import STRATEGIES, invalid_choice
 from fabriclite.strategies.strategy import SingleDeviceStrategy, Strategy
 
-__all__ = ["DDPStrategy", "FSDPStrategy", "ParallelStrategy", "SingleDeviceStrategy", "Strategy", "select_strategy"]
+__all__ = [
+    "DDPStrategy",
+    "DataParallelStrategy",
+    "FSDPStrategy",
+    "ParallelStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "select_strategy",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from fabriclite.strategies.ddp import DDPStrategy
 
         return DDPStrategy
+    if name == "DataParallelStrategy":
+        from fabriclite.strategies.dp import DataParallelStrategy
+
+        return DataParallelStrategy
     if name == "FSDPStrategy":
         return _fsdp_strategy_class()
     raise AttributeError(f"module 'fabriclite.strategies' has no attribute {name!r}")
@@ -58,7 +71,18 @@ def select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> 
             f"strategy='single_device' runs one process, but devices * num_nodes = {processes}. "
             "Use devices=1, or a distributed strategy."
         )
-    if strategy in ("auto", "ddp", "ddp_spawn"):
+    if strategy == "dp" and accelerator.type == "cuda":
+        from fabriclite.strategies.dp import DataParallelStrategy
+
+        return DataParallelStrategy()
+    if strategy == "dp":
+        warnings.warn(
+            f"strategy='dp' (torch.nn.DataParallel) runs on several CUDA devices only; on {accelerator.type} "
+            "fabriclite uses strategy='ddp' instead, as Lightning Fabric does.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if strategy in ("auto", "dp", "ddp", "ddp_spawn"):
         from fabriclite.strategies.ddp import DDPStrategy
 
         return DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "subprocess")

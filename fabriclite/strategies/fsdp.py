@@ -247,7 +247,7 @@ class FSDPStrategy(ParallelStrategy):
             )
         return _no_gradient_sync(module)
 
-    def clip_gradients_norm(
+    def clip_by_total_norm(
         self, module: nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool
     ) -> torch.Tensor:
         """Clip by the norm over every shard on every rank, which is the norm of the unsharded gradients."""

@@ -33,6 +33,8 @@ class ParallelStrategy(Strategy):
     ``timeout`` bounds how long a collective waits for a rank that died or hangs before raising.
     """
 
+    syncs_in_forward = True
+
     def __init__(
         self,
         process_group_backend: str | None = None,

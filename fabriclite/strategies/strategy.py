@@ -25,6 +25,10 @@ class Strategy:
     Usage: subclass and fill in the hooks; ``Fabric(strategy=MyStrategy())`` uses it.
     """
 
+    # Whether the module setup_module returns does work across processes in its forward (DDP's gradient sync,
+    # FSDP's weight gathering), so the model's other methods must run through it (see wrappers._FabricModule).
+    syncs_in_forward = False
+
     def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
         self.accelerator: Accelerator | None = None
         self.precision: Precision | None = None
@@ -106,6 +110,25 @@ class Strategy:
         return dataloader
 
     def clip_gradients_norm(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Unscale the gradients (with a loss scaler), then clip them to a total norm; return that norm. With a
+        scaler a non-finite norm does not raise: the scaler skips that step and lowers the scale, its job."""
+        self.precision.unscale_gradients(optimizer)
+        error_if_nonfinite = error_if_nonfinite and self.precision.scaler is None
+        return self.clip_by_total_norm(module, max_norm, norm_type, error_if_nonfinite)
+
+    def clip_gradients_value(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        """Unscale the gradients (with a loss scaler), then clamp each to ``[-clip_val, clip_val]``."""
+        self.precision.unscale_gradients(optimizer)
+        torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
+
+    def clip_by_total_norm(
         self, module: torch.nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool
     ) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(

@@ -1,0 +1,43 @@
+"""Calling the callbacks given to ``Fabric(callbacks=...)``: each one that has the hook gets the positional
+arguments and, of the keyword arguments, those its signature accepts, so callbacks with different signatures can
+share a hook name (``on_after_setup(fabric, module)`` and ``on_after_setup(module)``).
+
+Usage: ``call_hook(callbacks, "on_train_epoch_end", results=results)``; ``fabric.call`` is this.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Callable
+
+
+def call_hook(callbacks: list[Any], hook_name: str, *args: Any, **kwargs: Any) -> None:
+    """Call ``hook_name`` on every callback that has it; warn once per call about one that is not callable."""
+    for callback in callbacks:
+        method = getattr(callback, hook_name, None)
+        if method is None:
+            continue
+        if not callable(method):
+            warnings.warn(
+                f"Skipping {type(callback).__name__}.{hook_name}: it is a {type(method).__name__}, not a method.",
+                UserWarning,
+                stacklevel=3,
+            )
+            continue
+        method(*args, **accepted_kwargs(method, kwargs))
+
+
+def accepted_kwargs(method: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``kwargs`` that ``method`` accepts by name (all of them when it takes ``**kwargs``, or when its
+    signature cannot be read, as for some builtins)."""
+    if not kwargs:
+        return kwargs
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return kwargs
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {name: value for name, value in kwargs.items() if name in names}
