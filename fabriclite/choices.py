@@ -22,9 +22,32 @@ _PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16"
 
 
 def did_you_mean(value: Any, choices: Sequence[str]) -> str:
-    """Return " Did you mean 'x'?" for the closest choice, or an empty string."""
-    close = difflib.get_close_matches(str(value).lower(), list(choices), n=1, cutoff=0.5)
-    return f" Did you mean {close[0]!r}?" if close else ""
+    """Return " Did you mean 'x'?" for the closest choice, or an empty string.
+
+    Of the similar choices, the fewest typing slips away wins (one swapped, missing, extra or wrong letter each),
+    then the one of the same length: "dpp" is a slip of "ddp" as much as of "dp", but keeps the length of "ddp".
+    """
+    text = str(value).lower()
+    close = difflib.get_close_matches(text, list(choices), n=3, cutoff=0.5)
+    if not close:
+        return ""
+    best = min(close, key=lambda choice: (_slips(text, choice), abs(len(choice) - len(text))))
+    return f" Did you mean {best!r}?"
+
+
+def _slips(a: str, b: str) -> int:
+    """Edits from ``a`` to ``b``, counting a swap of two neighbouring letters as one (optimal string alignment)."""
+    previous2: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        current = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                current[j] = min(current[j], previous2[j - 2] + 1)
+        previous2, previous = previous, current
+    return previous[-1]
 
 
 def invalid_choice(what: str, value: Any, choices: Sequence[str]) -> ValueError:
