@@ -10,9 +10,10 @@ Usage::
     epoch_acc = acc.compute()                           # every rank must call it: it syncs
     acc.reset()
 
-Where things live: the ``Metric`` base (states, caching, syncing, padding) in ``metric``; count-based
-classification in ``classification``; score curves in ``curves``; ``regression``; ``aggregation``;
-``MetricCollection`` in ``collection``; the functional API in ``functional``.
+Where things live: the ``Metric`` base (states, caching, syncing, padding) in ``metric``, its syncing in
+``_sync``; the checks and formatting of classification inputs in ``_inputs``; count-based classification in
+``classification``; score curves in ``curves`` (their points in ``_curve_points``); ``regression``;
+``aggregation``; ``MetricCollection`` in ``collection``; the functional API in ``functional``.
 """
 
 from fabriclite.metrics import functional

@@ -2,18 +2,8 @@
 their functional forms. Names, arguments and defaults follow torchmetrics' task wrappers
 (``Accuracy(task="multiclass", num_classes=10)`` averages ``"micro"``); values equal scikit-learn's.
 
-Inputs:
-
-- ``task="binary"``: ``preds`` of shape ``(N, ...)``, labels 0/1 or float scores turned into labels by
-  ``preds > threshold`` (scores outside [0, 1] are taken for logits and go through a sigmoid first);
-  ``target`` 0/1 of the same shape.
-- ``task="multiclass"``: ``preds`` of shape ``(N, ...)`` holding labels, or float scores ``(N, C, ...)`` reduced by
-  argmax (with ``top_k > 1``: a sample counts as predicting its target when the target is among its ``top_k``
-  highest scores, as its top-1 class otherwise); ``target`` of shape ``(N, ...)`` in ``[0, C)``.
-- ``task="multilabel"``: ``preds`` and ``target`` of shape ``(N, L, ...)``, as for binary, one column per label.
-
-Extra dimensions ``...`` count as more samples. Targets equal to ``ignore_index`` are left out. The state is four
-count vectors (true/false positives/negatives per class), so memory does not grow with the data.
+Inputs are described in ``_inputs`` (where they are checked and formatted). The state is four count vectors
+(true/false positives/negatives per class), so memory does not grow with the data.
 
 Macro averages and classes that never occur. With ``average="macro"`` a multiclass class that appears in neither
 ``preds`` nor ``target`` of all the data seen is left out of the average (torchmetrics' rule; for Accuracy,
@@ -29,221 +19,20 @@ scikit-learn does.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from fabriclite.metrics._inputs import (
+    _NORMALIZE,
+    Average,
+    Task,
+    _check_args,
+    _format,
+    _safe_divide,
+)
 from fabriclite.metrics.metric import Metric
-
-Task = Literal["binary", "multiclass", "multilabel"]
-Average = Optional[Literal["micro", "macro", "weighted", "none"]]
-
-_TASKS = ("binary", "multiclass", "multilabel")
-_AVERAGES = ("micro", "macro", "weighted", "none", None)
-_NORMALIZE = ("true", "pred", "all", "none", None)
-
-
-# ------------------------------------------------------------------------------------------------- arguments
-
-
-def _check_task(task: Any, num_classes: Any, num_labels: Any) -> int:
-    """Validate the task and return the number of classes (multiclass), labels (multilabel), or 1 (binary)."""
-    if task not in _TASKS:
-        raise ValueError(f"task must be one of {_TASKS}, got {task!r}")
-    if task == "multiclass":
-        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
-            raise ValueError(f"task='multiclass' needs num_classes, an int >= 2, got {num_classes!r}")
-        return num_classes
-    if task == "multilabel":
-        if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
-            raise ValueError(f"task='multilabel' needs num_labels, an int >= 1, got {num_labels!r}")
-        return num_labels
-    return 1
-
-
-def _check_args(
-    task: Any,
-    num_classes: Any,
-    num_labels: Any,
-    threshold: Any = 0.5,
-    average: Any = "micro",
-    top_k: Any = 1,
-    ignore_index: Any = None,
-    zero_division: Any = 0,
-) -> int:
-    """Validate the arguments every count-based metric takes; done once, at construction or at a functional call."""
-    size = _check_task(task, num_classes, num_labels)
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
-        raise ValueError(f"threshold must be a float in [0, 1], got {threshold!r}")
-    if average not in _AVERAGES:
-        raise ValueError(f"average must be one of {_AVERAGES}, got {average!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    if (top_k or 1) > 1 and task != "multiclass":
-        raise ValueError(f"top_k > 1 applies to task='multiclass' only, got top_k={top_k} with task={task!r}")
-    if (top_k or 1) > size and task == "multiclass":
-        raise ValueError(f"top_k ({top_k}) cannot exceed num_classes ({size})")
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise ValueError(f"ignore_index must be an int or None, got {ignore_index!r}")
-    if zero_division not in (0, 1):
-        raise ValueError(f"zero_division must be 0 or 1, got {zero_division!r}")
-    return size
-
-
-# ------------------------------------------------------------------------------------------- input checking
-# Every check is a reduction over the tensor (no per-element Python); the offending value is looked up only on
-# the way to an error.
-
-
-def _check_pair(preds: Any, target: Any) -> None:
-    for name, value in (("preds", preds), ("target", target)):
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if preds.device != target.device:
-        raise ValueError(f"preds is on {preds.device} but target is on {target.device}; put both on the same device")
-
-
-def _check_labels(target: Tensor, name: str = "target") -> None:
-    if target.is_floating_point() or target.is_complex():
-        raise TypeError(
-            f"{name} must hold integer class labels (an integer or bool tensor), got a {target.dtype} tensor. "
-            f"If the values are labels stored as floats, pass {name}.long()."
-        )
-
-
-def _check_not_nan(preds: Tensor, name: str = "preds") -> None:
-    # The sum is NaN whenever an element is (one fast reduction, no bool copy of the input); it can also be NaN
-    # from +inf and -inf together, which the exact check then clears.
-    if preds.is_floating_point() and bool(torch.isnan(preds.sum())) and bool(torch.isnan(preds).any()):
-        raise ValueError(f"{name} contains NaN; a score must be a number (check the model's outputs or the loss)")
-
-
-def _check_range(values: Tensor, name: str, high: int, ignore_index: int | None, what: str) -> None:
-    """Raise unless every value is in ``[0, high)`` or equals ``ignore_index``."""
-    if values.numel() == 0 or values.dtype == torch.bool:
-        return
-    if ignore_index is None:
-        low_value, high_value = torch.aminmax(values)
-        if low_value >= 0 and high_value < high:
-            return
-        valid = (values >= 0) & (values < high)
-    else:
-        valid = ((values >= 0) & (values < high)) | (values == ignore_index)
-        if bool(valid.all()):
-            return
-    bad = values[~valid][0].item()
-    hint = f" or ignore_index={ignore_index}" if ignore_index is not None else ""
-    raise ValueError(f"{name} holds {bad}, but {what} must be in [0, {high - 1}]{hint}")
-
-
-def _check_inputs(
-    preds: Tensor, target: Tensor, task: str, size: int, ignore_index: int | None, top_k: int = 1
-) -> None:
-    _check_pair(preds, target)
-    _check_labels(target)
-    _check_not_nan(preds)
-    scores = preds.is_floating_point()
-    if task == "binary":
-        if preds.shape != target.shape:
-            raise ValueError(
-                f"task='binary' expects preds and target of the same shape, got {tuple(preds.shape)} and {tuple(target.shape)}"
-            )
-        if not scores:
-            _check_range(preds, "preds", 2, None, "binary labels")
-        _check_range(target, "target", 2, ignore_index, "binary labels")
-    elif task == "multiclass":
-        if scores:
-            expected = (target.shape[0], size, *target.shape[1:]) if target.ndim else None
-            if preds.shape == target.shape:
-                raise ValueError(
-                    f"preds is a float tensor of target's shape {tuple(target.shape)}. Class scores (probabilities or "
-                    f"logits) need a class dimension, shape {expected}; labels must be an integer tensor (preds.long())."
-                )
-            if expected is None or tuple(preds.shape) != expected:
-                raise ValueError(
-                    f"preds holds float scores, so its shape must be (N, num_classes={size}, ...) matching target "
-                    f"{tuple(target.shape)}, i.e. {expected}; got {tuple(preds.shape)}"
-                )
-        else:
-            if (top_k or 1) > 1:
-                raise ValueError("top_k > 1 needs float scores of shape (N, num_classes, ...), but preds holds labels")
-            if preds.shape != target.shape:
-                raise ValueError(
-                    f"preds holds integer labels, so it must have target's shape {tuple(target.shape)}, got "
-                    f"{tuple(preds.shape)}; for class scores pass a float tensor of shape (N, {size}, ...)"
-                )
-            _check_range(preds, "preds", size, None, f"class indices for num_classes={size}")
-        _check_range(target, "target", size, ignore_index, f"class indices for num_classes={size}")
-    else:
-        if preds.shape != target.shape or preds.ndim < 2 or preds.shape[1] != size:
-            raise ValueError(
-                f"task='multilabel' expects preds and target of shape (N, num_labels={size}, ...), got "
-                f"{tuple(preds.shape)} and {tuple(target.shape)}"
-            )
-        if not scores:
-            _check_range(preds, "preds", 2, None, "multilabel labels")
-        _check_range(target, "target", 2, ignore_index, "multilabel labels")
-
-
-# ------------------------------------------------------------------------------------------------ formatting
-
-
-def _probabilities(scores: Tensor, normalization: Literal["sigmoid", "softmax"]) -> Tensor:
-    """Scores as probabilities: unchanged inside [0, 1], else taken for logits (torchmetrics' rule, per call)."""
-    if scores.numel() == 0:
-        return scores
-    low, high = torch.aminmax(scores)
-    if bool((low < 0) | (high > 1)):
-        return scores.sigmoid() if normalization == "sigmoid" else scores.softmax(1)
-    return scores
-
-
-def _format(
-    preds: Tensor,
-    target: Tensor,
-    task: str,
-    size: int,
-    threshold: float = 0.5,
-    top_k: int = 1,
-    ignore_index: int | None = None,
-    validate_args: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """Turn the inputs into flat int64 labels.
-
-    Binary and multiclass: ``preds`` and ``target`` of shape ``(M,)``, ignored samples dropped. Multilabel: shape
-    ``(M, L)`` with ignored entries of ``target`` set to -1.
-    """
-    if validate_args:
-        _check_inputs(preds, target, task, size, ignore_index, top_k)
-    if task == "multilabel":
-        preds = preds.movedim(1, -1).reshape(-1, size)
-        target = target.movedim(1, -1).reshape(-1, size).long()
-        if preds.is_floating_point():
-            preds = _probabilities(preds, "sigmoid") > threshold
-        if ignore_index is not None:
-            target = target.masked_fill(target == ignore_index, -1)
-        return preds.long(), target
-    scores = task == "multiclass" and preds.is_floating_point()
-    preds = preds.movedim(1, -1).reshape(-1, size) if scores else preds.reshape(-1)
-    target = target.reshape(-1).long()
-    if ignore_index is not None:
-        keep = target != ignore_index
-        preds, target = preds[keep], target[keep]
-    if scores:
-        preds = _top_k_labels(preds, target, top_k or 1)
-    elif preds.is_floating_point():
-        preds = _probabilities(preds, "sigmoid") > threshold
-    return preds.long(), target
-
-
-def _top_k_labels(scores: Tensor, target: Tensor, top_k: int) -> Tensor:
-    """One label per sample: the argmax, or with ``top_k > 1`` the target when it is among the k best scores."""
-    if top_k == 1:
-        return scores.max(1).indices  # argmax's value, but faster on CPU for few classes
-    best = scores.topk(top_k, dim=1).indices
-    return torch.where((best == target.unsqueeze(1)).any(1), target, best[:, 0])
-
 
 # ---------------------------------------------------------------------------------------------------- counting
 
@@ -289,12 +78,6 @@ def _stat_scores(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     preds, target = _format(preds, target, task, size, threshold, top_k, ignore_index, validate_args)
     return _stat_scores_update(preds, target, task, size, average)
-
-
-def _safe_divide(num: Tensor, denom: Tensor, zero_division: float = 0.0) -> Tensor:
-    num = num if num.is_floating_point() else num.float()
-    denom = denom if denom.is_floating_point() else denom.float()
-    return torch.where(denom != 0, num / denom, torch.full_like(num, zero_division))
 
 
 def _average(
@@ -464,20 +247,7 @@ def f1_score(
 
     Usage: ``f1_score(logits, labels, task="multiclass", num_classes=10, average="macro")``.
     """
-    return fbeta_score(
-        preds,
-        target,
-        task,
-        1.0,
-        threshold,
-        num_classes,
-        num_labels,
-        average,
-        top_k,
-        ignore_index,
-        validate_args,
-        zero_division,
-    )
+    return fbeta_score(beta=1.0, **locals())
 
 
 def _confusion_matrix_update(preds: Tensor, target: Tensor, task: str, size: int) -> Tensor:
@@ -557,17 +327,8 @@ class _StatScores(Metric):
 
     def update(self, preds: Tensor, target: Tensor) -> None:
         """Count a batch."""
-        tp, fp, tn, fn = _stat_scores(
-            preds,
-            target,
-            self.task,
-            self.size,
-            self.average,
-            self.threshold,
-            self.top_k,
-            self.ignore_index,
-            self.validate_args,
-        )
+        args = self.task, self.size, self.average, self.threshold, self.top_k, self.ignore_index, self.validate_args
+        tp, fp, tn, fn = _stat_scores(preds, target, *args)
         self.tp, self.fp, self.tn, self.fn = self.tp + tp, self.fp + fp, self.tn + tn, self.fn + fn
 
     @property
@@ -683,19 +444,8 @@ class F1Score(FBetaScore):
         zero_division: float = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
-            task,
-            1.0,
-            threshold,
-            num_classes,
-            num_labels,
-            average,
-            top_k,
-            ignore_index,
-            validate_args,
-            zero_division,
-            **kwargs,
-        )
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "kwargs", "__class__")}
+        super().__init__(beta=1.0, **arguments, **kwargs)
 
 
 class ConfusionMatrix(Metric):

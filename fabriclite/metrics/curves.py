@@ -3,7 +3,7 @@ Names, arguments and defaults follow torchmetrics' task wrappers; values equal s
 
 Inputs are float scores: ``(N, ...)`` for binary, ``(N, C, ...)`` for multiclass (one-vs-rest per class),
 ``(N, L, ...)`` for multilabel; scores outside [0, 1] are taken for logits (sigmoid, or softmax over classes).
-Targets as in :mod:`fabriclite.metrics.classification`; ``ignore_index`` leaves samples (or label entries) out.
+Targets as in :mod:`fabriclite.metrics._inputs`; ``ignore_index`` leaves samples (or label entries) out.
 
 Two ways to keep the state, chosen by ``thresholds``:
 
@@ -21,232 +21,31 @@ As in torchmetrics: an exact ROC starts at threshold 1.0 (scikit-learn: ``inf``)
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 
-from fabriclite.metrics.classification import (
+from fabriclite.metrics._inputs import (
     Task,
-    _check_labels,
-    _check_not_nan,
-    _check_pair,
-    _check_range,
-    _check_task,
-    _probabilities,
+    Thresholds,
+    _adjust_thresholds,
+    _check_curve_args,
+    _format_curve,
     _safe_divide,
+)
+from fabriclite.metrics._curve_points import (
+    CurveState,
+    _as_binary,
+    _binned_counts,
+    _binned_update,
+    _exact_pr,
+    _exact_roc,
+    _per_class,
 )
 from fabriclite.metrics.metric import Metric
 
-Thresholds = Union[int, list, Tensor, None]
 CurveAverage = Optional[Literal["micro", "macro", "weighted", "none"]]
-# (preds, target) for exact curves, a histogram for binned ones
-CurveState = Union[tuple[Tensor, Tensor], Tensor]
-
-
-# ------------------------------------------------------------------------------------------------- arguments
-
-
-def _adjust_thresholds(thresholds: Thresholds) -> Tensor | None:
-    """``thresholds`` as an increasing 1-D float tensor in [0, 1], or None for exact curves."""
-    if thresholds is None:
-        return None
-    if isinstance(thresholds, bool):
-        raise ValueError(f"thresholds must be None, an int, a list of floats or a 1-D tensor, got {thresholds!r}")
-    if isinstance(thresholds, int):
-        if thresholds < 2:
-            raise ValueError(
-                f"thresholds as an int is how many evenly spaced values in [0, 1]; it must be >= 2, got {thresholds}"
-            )
-        return torch.linspace(0, 1, thresholds)
-    if isinstance(thresholds, (list, tuple)):
-        thresholds = torch.tensor(thresholds, dtype=torch.float32)
-    if not isinstance(thresholds, Tensor):
-        raise ValueError(
-            f"thresholds must be None, an int, a list of floats or a 1-D tensor, got {type(thresholds).__name__}"
-        )
-    if thresholds.ndim != 1 or thresholds.numel() == 0 or not thresholds.is_floating_point():
-        raise ValueError(
-            f"thresholds must be a non-empty 1-D float tensor, got {thresholds.dtype} of shape {tuple(thresholds.shape)}"
-        )
-    if bool((thresholds[1:] <= thresholds[:-1]).any()) or bool((thresholds < 0).any() | (thresholds > 1).any()):
-        raise ValueError(f"thresholds must be strictly increasing values in [0, 1], got {thresholds.tolist()}")
-    return thresholds
-
-
-def _check_curve_args(
-    task: Any, num_classes: Any, num_labels: Any, ignore_index: Any, average: Any = "macro", max_fpr: Any = None
-) -> int:
-    size = _check_task(task, num_classes, num_labels)
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise ValueError(f"ignore_index must be an int or None, got {ignore_index!r}")
-    allowed = (
-        ("micro", "macro", "weighted", "none", None) if task == "multilabel" else ("macro", "weighted", "none", None)
-    )
-    if average not in allowed:
-        raise ValueError(f"average must be one of {allowed} for task={task!r}, got {average!r}")
-    if max_fpr is not None:
-        if task != "binary":
-            raise ValueError(f"max_fpr (partial AUROC) applies to task='binary' only, got task={task!r}")
-        if isinstance(max_fpr, bool) or not isinstance(max_fpr, (int, float)) or not 0 < max_fpr <= 1:
-            raise ValueError(f"max_fpr must be a float in (0, 1], got {max_fpr!r}")
-    return size
-
-
-def _check_curve_inputs(preds: Tensor, target: Tensor, task: str, size: int, ignore_index: int | None) -> None:
-    _check_pair(preds, target)
-    if not preds.is_floating_point():
-        raise TypeError(
-            f"preds must hold float scores (probabilities or logits) to rank samples by, got a {preds.dtype} tensor. "
-            "Hard labels give no ranking: for them use Accuracy, Precision, Recall or ConfusionMatrix."
-        )
-    _check_labels(target)
-    _check_not_nan(preds)
-    if task == "multiclass":
-        expected = (target.shape[0], size, *target.shape[1:]) if target.ndim else None
-        if expected is None or tuple(preds.shape) != expected:
-            raise ValueError(
-                f"task='multiclass' expects preds of shape (N, num_classes={size}, ...) matching target "
-                f"{tuple(target.shape)}, i.e. {expected}; got {tuple(preds.shape)}"
-            )
-        _check_range(target, "target", size, ignore_index, f"class indices for num_classes={size}")
-        return
-    if preds.shape != target.shape or (task == "multilabel" and (preds.ndim < 2 or preds.shape[1] != size)):
-        expected = "the same shape" if task == "binary" else f"shape (N, num_labels={size}, ...)"
-        raise ValueError(
-            f"task={task!r} expects preds and target of {expected}, got {tuple(preds.shape)} and {tuple(target.shape)}"
-        )
-    _check_range(target, "target", 2, ignore_index, "binary labels")
-
-
-def _format_curve(
-    preds: Tensor, target: Tensor, task: str, size: int, ignore_index: int | None, validate_args: bool
-) -> tuple[Tensor, Tensor]:
-    """Probabilities and int64 targets: ``(M,)`` binary, ``(M, C)`` scores with ``(M,)`` targets multiclass (ignored
-    samples dropped), ``(M, L)`` both multilabel (ignored entries of ``target`` set to -1)."""
-    if validate_args:
-        _check_curve_inputs(preds, target, task, size, ignore_index)
-    if task == "multilabel":
-        preds = preds.movedim(1, -1).reshape(-1, size)
-        target = target.movedim(1, -1).reshape(-1, size).long()
-        if ignore_index is not None:
-            target = target.masked_fill(target == ignore_index, -1)
-        return _probabilities(preds, "sigmoid"), target
-    preds = preds.movedim(1, -1).reshape(-1, size) if task == "multiclass" else preds.reshape(-1)
-    target = target.reshape(-1).long()
-    if ignore_index is not None:
-        keep = target != ignore_index
-        preds, target = preds[keep], target[keep]
-    return _probabilities(preds, "softmax" if task == "multiclass" else "sigmoid"), target
-
-
-# ---------------------------------------------------------------------------------------------- binned state
-
-
-def _binned_update(preds: Tensor, target: Tensor, thresholds: Tensor, task: str, size: int) -> Tensor:
-    """Histogram ``[class, is_positive, bucket]``; bucket ``b`` holds scores with exactly ``b`` thresholds <= score."""
-    buckets = thresholds.numel() + 1
-    bucket = torch.bucketize(preds.contiguous(), thresholds.to(preds.dtype), right=True)
-    if task == "binary":
-        return torch.bincount(target * buckets + bucket, minlength=2 * buckets).reshape(2, buckets)
-    if task == "multiclass":
-        positive = (target.unsqueeze(1) == torch.arange(size, device=target.device)).long()
-    else:
-        positive = target
-    cells = (torch.arange(size, device=target.device) * 2 + positive) * buckets + bucket
-    if task == "multilabel":
-        cells = cells[target >= 0]
-    return torch.bincount(cells.reshape(-1), minlength=size * 2 * buckets).reshape(size, 2, buckets)
-
-
-def _binned_counts(hist: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """True and false positives at each threshold (score >= threshold), and the totals of positives and negatives."""
-    at_least = hist.flip(-1).cumsum(-1).flip(-1)[..., 1:]  # drop bucket 0: below every threshold
-    totals = hist.sum(-1, keepdim=True)
-    return at_least[..., 1, :], at_least[..., 0, :], totals[..., 1, :], totals[..., 0, :]
-
-
-# ----------------------------------------------------------------------------------------------- exact curves
-
-
-def _sort_descending(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """Scores from high to low, and the permutation that sorts them.
-
-    Sorted through integer keys in the same order as the floats: on the CPU torch sorts integers by radix, several
-    times faster than floats (1M scores: about 20 ms instead of 90 ms), and the sort dominates an exact curve.
-    """
-    int_dtype = {torch.float32: torch.int32, torch.float64: torch.int64}.get(scores.dtype)
-    if int_dtype is None:
-        return torch.sort(scores, descending=True)
-    bits = (scores + 0.0).view(int_dtype)  # + 0.0 turns -0.0 into 0.0, which it must tie with
-    # Positive floats order like their bits; negative ones in reverse, so flip all but their sign bit. Then ~
-    # reverses the whole order, so that an ascending sort (the fast one) yields descending scores.
-    keys = ~(bits ^ ((bits >> (8 * bits.element_size() - 1)) & torch.iinfo(int_dtype).max))
-    order = torch.sort(keys, stable=True).indices
-    return scores[order], order
-
-
-def _clf_curve(preds: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """False and true positives at every distinct score, scores descending (scikit-learn's ``_binary_clf_curve``)."""
-    scores, order = _sort_descending(preds)
-    run_ends = torch.ones_like(scores, dtype=torch.bool)
-    run_ends[:-1] = scores[1:] != scores[:-1]  # the last sample of each run of equal scores
-    ends = run_ends.nonzero().squeeze(1)
-    tps = target[order].cumsum(0)[ends]
-    return ends + 1 - tps, tps, scores[ends]
-
-
-def _per_class(state: tuple[Tensor, Tensor], task: str, size: int) -> list[tuple[Tensor, Tensor]]:
-    """One-vs-rest binary problems: (scores, 0/1 targets) per class or label."""
-    preds, target = state
-    if task == "multiclass":
-        return [(preds[:, c], (target == c).long()) for c in range(size)]
-    problems = []
-    for label in range(size):
-        valid = target[:, label] >= 0
-        problems.append((preds[valid, label], target[valid, label]))
-    return problems
-
-
-def _as_binary(state: CurveState, thresholds: Tensor | None) -> CurveState:
-    """All labels of a multilabel state as one binary problem (``average="micro"``)."""
-    if thresholds is not None:
-        return state.sum(0)
-    preds, target = state
-    valid = target >= 0
-    return preds[valid], target[valid]
-
-
-def _exact_roc(preds: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    fps, tps, scores = _clf_curve(preds, target)
-    zero = fps.new_zeros(1)
-    fps, tps = torch.cat([zero, fps]), torch.cat([zero, tps])
-    thresholds = torch.cat([scores.new_ones(1), scores])  # the curve starts at (0, 0)
-    if fps[-1] <= 0:
-        warnings.warn(
-            "No negative samples in target: the false positive rate is undefined and set to 0",
-            UserWarning,
-            stacklevel=3,
-        )
-    if tps[-1] <= 0:
-        warnings.warn(
-            "No positive samples in target: the true positive rate is undefined and set to 0", UserWarning, stacklevel=3
-        )
-    return _safe_divide(fps, fps[-1].expand_as(fps)), _safe_divide(tps, tps[-1].expand_as(tps)), thresholds
-
-
-def _exact_pr(preds: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    fps, tps, scores = _clf_curve(preds, target)
-    precision = tps / (tps + fps)
-    if tps.numel() == 0 or tps[-1] <= 0:
-        warnings.warn("No positive samples in target: recall is undefined and set to 1", UserWarning, stacklevel=3)
-        recall = torch.ones_like(precision)
-    else:
-        recall = tps / tps[-1]
-    # increasing thresholds, decreasing recall, ending at (recall 0, precision 1) as scikit-learn
-    precision = torch.cat([precision.flip(0), precision.new_ones(1)])
-    recall = torch.cat([recall.flip(0), recall.new_zeros(1)])
-    return precision, recall, scores.flip(0)
 
 
 # -------------------------------------------------------------------------------------------- shared compute
@@ -520,11 +319,8 @@ class _CurveMetric(Metric):
         return _exact_state(self.preds, self.target, self.task, self.size, self.device)
 
 
-class ROC(_CurveMetric):
-    """ROC curve, as ``torchmetrics.ROC``: ``compute()`` returns ``(fpr, tpr, thresholds)``.
-
-    Usage: ``roc = ROC(task="binary", thresholds=200); roc.update(probs, labels); fpr, tpr, t = roc.compute()``.
-    """
+class _Curve(_CurveMetric):
+    """The arguments of the two curves, which take no average."""
 
     def __init__(
         self,
@@ -537,29 +333,24 @@ class ROC(_CurveMetric):
         **kwargs: Any,
     ) -> None:
         super().__init__(task, thresholds, num_classes, num_labels, ignore_index, validate_args, **kwargs)
+
+
+class ROC(_Curve):
+    """ROC curve, as ``torchmetrics.ROC``: ``compute()`` returns ``(fpr, tpr, thresholds)``.
+
+    Usage: ``roc = ROC(task="binary", thresholds=200); roc.update(probs, labels); fpr, tpr, t = roc.compute()``.
+    """
 
     def compute(self) -> tuple[Any, Any, Any]:
         """The curve over everything seen (all processes)."""
         return _roc_compute(self._state, self.thresholds, self.task, self.size)
 
 
-class PrecisionRecallCurve(_CurveMetric):
+class PrecisionRecallCurve(_Curve):
     """Precision-recall curve, as ``torchmetrics.PrecisionRecallCurve``: ``(precision, recall, thresholds)``.
 
     Usage: ``pr = PrecisionRecallCurve(task="multiclass", num_classes=5, thresholds=100)``.
     """
-
-    def __init__(
-        self,
-        task: Task,
-        thresholds: Thresholds = None,
-        num_classes: int | None = None,
-        num_labels: int | None = None,
-        ignore_index: int | None = None,
-        validate_args: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(task, thresholds, num_classes, num_labels, ignore_index, validate_args, **kwargs)
 
     def compute(self) -> tuple[Any, Any, Any]:
         """The curve over everything seen (all processes)."""

@@ -23,7 +23,7 @@ from sklearn import metrics as skm
 
 from fabriclite.metrics import AUROC, ROC, AveragePrecision, PrecisionRecallCurve
 from fabriclite.metrics import functional as F
-from fabriclite.metrics.curves import _sort_descending
+from fabriclite.metrics._curve_points import _sort_descending
 
 C = 4
 N = 240
