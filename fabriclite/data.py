@@ -25,6 +25,7 @@ from torch.utils.data import (
 from fabriclite._collections import move_to_device
 from fabriclite._padding import set_padding
 from fabriclite.checkpoint import capture_rng_state, restore_rng_state
+from fabriclite.seed import worker_init_function
 
 
 def _loader_generators(loader: DataLoader) -> dict[str, torch.Generator]:
@@ -241,14 +242,17 @@ def wrap_loader(
     loader: DataLoader, strategy: Any, use_distributed_sampler: bool, device: torch.device | None
 ) -> _FabricDataLoader:
     """What ``fabric.setup_dataloaders`` does to one loader: this rank's shard of it (``strategy.process_dataloader``),
-    wrapped to move batches to ``device`` and keep its position."""
+    wrapped to move batches to ``device`` and keep its position; after ``seed_everything(workers=True)`` its workers
+    are seeded per worker and rank."""
     if isinstance(loader, _FabricDataLoader):
         raise ValueError("This DataLoader was already set up by fabric.setup_dataloaders; pass it only once.")
     if not isinstance(loader, DataLoader):
         raise TypeError(
             f"fabric.setup_dataloaders expects torch.utils.data.DataLoader objects, got {type(loader).__name__}."
         )
-    return _FabricDataLoader(strategy.process_dataloader(loader, use_distributed_sampler), device)
+    loader = strategy.process_dataloader(loader, use_distributed_sampler)
+    loader.worker_init_fn = worker_init_function(loader.worker_init_fn, strategy.global_rank)
+    return _FabricDataLoader(loader, device)
 
 
 class FabricDistributedSampler(DistributedSampler):

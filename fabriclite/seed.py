@@ -1,10 +1,12 @@
-"""Seeding every global generator at once."""
+"""Seeding every global generator at once, and each DataLoader worker from it."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import sys
+from typing import Callable
 
 import numpy as np
 import torch
@@ -16,9 +18,9 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     """Seed Python's ``random``, NumPy and torch (CPU and every CUDA device); return the seed used.
 
     ``seed=None`` reads the ``FABRICLITE_GLOBAL_SEED`` (or Lightning's ``PL_GLOBAL_SEED``) environment variable,
-    else uses 0. The seed is exported in both variables so processes launched later see it. ``workers`` is
-    accepted for compatibility: PyTorch already seeds ``random``, NumPy and torch in each DataLoader worker from
-    the loader's base seed, which seeding here makes reproducible.
+    else uses 0. The seed is exported in both variables so processes launched later see it. With ``workers=True``,
+    ``fabric.setup_dataloaders`` gives loaders without a ``worker_init_fn`` ``pl_worker_init_function``, which
+    seeds ``random``, NumPy and torch in each worker from the loader's base seed, the worker and the global rank.
     Usage: ``seed_everything(42)``.
     """
     if seed is None:
@@ -37,3 +39,56 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return seed
+
+
+def reset_seed() -> None:
+    """Seed again with the seed (and ``workers`` choice) ``seed_everything`` last exported, if any.
+
+    Usage: ``reset_seed()`` in a process that must start from the same random state as its launcher.
+    """
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    if seed is not None:
+        seed_everything(int(seed), workers=os.environ.get("PL_SEED_WORKERS", "0") == "1", verbose=False)
+
+
+def pl_worker_init_function(worker_id: int, rank: int | None = None) -> None:
+    """Seed ``random``, NumPy and torch in a DataLoader worker from the loader's base seed, ``worker_id`` and the
+    global ``rank`` (by default ``RANK`` from the environment), so that no two workers of any two ranks draw the
+    same numbers and a run with the same seed draws them again. The seeds are those Lightning derives.
+
+    Usage: ``DataLoader(..., worker_init_fn=functools.partial(pl_worker_init_function, rank=fabric.global_rank))``;
+    ``fabric.setup_dataloaders`` installs it after ``seed_everything(seed, workers=True)``.
+    """
+    global_rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    base_seed = torch.initial_seed() - worker_id  # the DataLoader seeds worker i with base + i
+    torch_seed, random_high, random_low, _ = _mixed_seeds(base_seed, worker_id, global_rank, count=4)
+    torch.manual_seed(torch_seed)
+    random.seed((random_high << 32) | random_low)
+    np.random.seed(np.random.SeedSequence([base_seed, worker_id, global_rank]).generate_state(4))
+
+
+def _mixed_seeds(base_seed: int, worker_id: int, global_rank: int, count: int) -> list[int]:
+    # The three numbers packed into one, its bits spread by MurmurHash3's 64-bit finalizer, then a linear
+    # congruential generator (Knuth's MMIX constants) stepped once per seed.
+    mask = (1 << 64) - 1
+    x = (base_seed << 32) | (worker_id << 16) | global_rank
+    for multiplier in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
+        x ^= x >> 33
+        x = (x * multiplier) & mask
+    x ^= x >> 33
+    seeds = []
+    for _ in range(count):
+        x = (x * 6364136223846793005 + 1) & mask
+        seeds.append(x)
+    return seeds
+
+
+def worker_init_function(current: Callable[[int], None] | None, global_rank: int) -> Callable[[int], None] | None:
+    """The ``worker_init_fn`` a loader should have: ``pl_worker_init_function`` for this rank when
+    ``seed_everything(..., workers=True)`` asked for it and the loader has none, else ``current`` unchanged.
+
+    Usage: ``loader.worker_init_fn = worker_init_function(loader.worker_init_fn, fabric.global_rank)``.
+    """
+    if current is not None or os.environ.get("PL_SEED_WORKERS") != "1":
+        return current
+    return functools.partial(pl_worker_init_function, rank=global_rank)  # a partial pickles into worker processes

@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from fabriclite.loggers.base import _params_dict, _VersionedLogger
+from fabriclite.loggers.base import _number, _params_dict, _VersionedLogger
 
 
 class CSVLogger(_VersionedLogger):
@@ -51,12 +51,23 @@ class CSVLogger(_VersionedLogger):
         self._rows_logged = 0
         self._hparams: dict[str, Any] = {}
 
+    @property
+    def experiment(self) -> _ExperimentWriter:
+        """The writer of ``metrics.csv``, as Lightning's ``CSVLogger.experiment``: ``log_metrics(metrics_dict,
+        step)`` (no prefix added), ``save()``, ``metrics`` (the buffered rows), ``metrics_file_path``, ``log_dir``.
+
+        Usage: ``logger.experiment.log_metrics({"loss": 0.25}, step=3)``
+        """
+        return _ExperimentWriter(self)
+
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Buffer one row; ``step`` defaults to the number of rows logged before it.
 
         Usage: ``logger.log_metrics({"loss": 0.25, "acc": 0.9}, step=100)``
         """
-        row = self._prepare_metrics(metrics)
+        self._add_row(self._prepare_metrics(metrics), step)
+
+    def _add_row(self, row: dict[str, float], step: int | None) -> None:
         if step is None:
             step = self._rows_logged
         elif hasattr(step, "item") and not isinstance(step, int):
@@ -124,3 +135,30 @@ class CSVLogger(_VersionedLogger):
         # collected, at the latest when the interpreter exits, without registering anything global.
         if getattr(self, "_rows", None):
             self.save()
+
+
+class _ExperimentWriter:
+    """``CSVLogger.experiment``: the logger's own buffer and file, seen as Lightning's experiment writer."""
+
+    def __init__(self, logger: CSVLogger) -> None:
+        self._logger = logger
+
+    @property
+    def log_dir(self) -> str:
+        return self._logger.log_dir
+
+    @property
+    def metrics_file_path(self) -> str:
+        return os.path.join(self._logger.log_dir, "metrics.csv")
+
+    @property
+    def metrics(self) -> list[dict[str, float]]:
+        """The rows buffered since the last save."""
+        return self._logger._rows
+
+    def log_metrics(self, metrics_dict: Mapping[str, float], step: int | None = None) -> None:
+        """Buffer one row as it is (the logger's prefix is not added)."""
+        self._logger._add_row({str(key): _number(key, value) for key, value in metrics_dict.items()}, step)
+
+    def save(self) -> None:
+        self._logger.save()

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from fabriclite.loggers.base import _flatten, _params_dict, _VersionedLogger
 
@@ -49,7 +52,8 @@ class TensorBoardLogger(_VersionedLogger):
         # and only by the rank that logs, yet a missing install fails here, before training starts.
         if importlib.util.find_spec("tensorboard") is None:
             raise ModuleNotFoundError(_MISSING)
-        super().__init__(root_dir, name, version, prefix)
+        # "$SCRATCH/logs" and "~/logs" name the folder they expand to, as in Lightning's logger.
+        super().__init__(os.path.expanduser(os.path.expandvars(os.fspath(root_dir))), name, version, prefix)
         self._default_hp_metric = default_hp_metric
         self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
         self._kwargs = kwargs
@@ -116,6 +120,31 @@ class TensorBoardLogger(_VersionedLogger):
         # run's own file writer keeps params and curves in one run.
         for summary in hparams(params, metrics):
             writer.file_writer.add_summary(summary)
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """Write the model's graph, traced on ``input_array`` (a tensor, or a tuple of ``forward``'s positional
+        arguments; by default ``model.example_input_array``). Without an input it warns and writes nothing.
+
+        Usage: ``logger.log_graph(model, torch.randn(1, 3, 32, 32))``
+        """
+        if input_array is None:
+            input_array = getattr(model, "example_input_array", None)
+        model = getattr(model, "module", model) if type(model).__name__ == "_FabricModule" else model
+        if input_array is None:
+            warnings.warn(
+                "Could not log the graph to TensorBoard: pass input_array, or set model.example_input_array.",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif not isinstance(input_array, (torch.Tensor, tuple)):
+            warnings.warn(
+                f"Could not log the graph to TensorBoard: the input is a {type(input_array).__name__}; pass a tensor, "
+                "or a tuple of the positional arguments of the model's forward.",
+                UserWarning,
+                stacklevel=2,
+            )
+        else:
+            self.experiment.add_graph(model, input_array)
 
     def save(self) -> None:
         """Flush pending events to disk.

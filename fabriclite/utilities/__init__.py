@@ -5,6 +5,6 @@ Usage: ``from fabriclite.utilities import seed_everything, move_data_to_device``
 
 from fabriclite._collections import apply_to_collection
 from fabriclite._collections import move_to_device as move_data_to_device
-from fabriclite.seed import seed_everything
+from fabriclite.seed import pl_worker_init_function, reset_seed, seed_everything
 
-__all__ = ["apply_to_collection", "move_data_to_device", "seed_everything"]
+__all__ = ["apply_to_collection", "move_data_to_device", "pl_worker_init_function", "reset_seed", "seed_everything"]

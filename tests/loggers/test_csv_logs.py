@@ -206,3 +206,16 @@ def test_a_tensor_metric_with_several_elements_is_rejected_by_name(tmp_path):
 def test_params_that_are_not_a_dict_or_namespace_are_rejected(tmp_path):
     with pytest.raises(TypeError, match="params must be a dict or an argparse.Namespace"):
         CSVLogger(tmp_path).log_hyperparams(["lr", 0.1])
+
+
+def test_experiment_is_the_metrics_writer_as_in_lightning(tmp_path):
+    logger = CSVLogger(tmp_path, prefix="train")
+    writer = logger.experiment
+    writer.log_metrics({"loss": torch.tensor(0.5)}, step=2)  # as it is: no prefix
+    logger.log_metrics({"loss": 0.25}, step=3)
+    assert writer.metrics == [{"loss": 0.5, "step": 2}, {"train-loss": 0.25, "step": 3}]
+    writer.save()
+    assert writer.metrics == [] and writer.log_dir == logger.log_dir
+    with open(writer.metrics_file_path, newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [(row["step"], row["loss"], row["train-loss"]) for row in rows] == [("2", "0.5", ""), ("3", "", "0.25")]

@@ -154,3 +154,55 @@ def test_importing_fabriclite_loggers_imports_neither_tensorboard_nor_yaml():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+def _graph_ops(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator as Accumulator
+
+    accumulator = Accumulator(str(folder), size_guidance={"graph": 1})
+    accumulator.Reload()
+    return [node.op for node in accumulator.Graph().node]
+
+
+def test_log_graph_writes_the_traced_graph_of_the_model_fabric_wrapped(tmp_path):
+    from fabriclite import Fabric
+
+    model = Fabric(accelerator="cpu").setup(Tiny())
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_graph(model, torch.randn(1, 3))
+    logger.finalize("success")
+    ops = _graph_ops(logger.log_dir)
+    assert any("linear" in op for op in ops) and any("relu" in op for op in ops), ops
+
+
+def test_log_graph_uses_example_input_array_and_warns_without_an_input(tmp_path):
+    net = Tiny()
+    logger = TensorBoardLogger(tmp_path)
+    with pytest.warns(UserWarning, match="example_input_array"):
+        logger.log_graph(net)
+    with pytest.warns(UserWarning, match="is a list"):
+        logger.log_graph(net, [torch.randn(1, 3)])
+    net.example_input_array = torch.randn(2, 3)
+    logger.log_graph(net)
+    logger.finalize("success")
+    assert any("linear" in op for op in _graph_ops(logger.log_dir))
+
+
+def test_root_dir_expands_environment_variables_and_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("FABRICLITE_TEST_LOGS", str(tmp_path / "scratch"))
+    logger = TensorBoardLogger("$FABRICLITE_TEST_LOGS/runs", name="exp")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert logger.log_dir == str(tmp_path / "scratch" / "runs" / "exp" / "version_0")
+    assert (tmp_path / "scratch" / "runs" / "exp" / "version_0").is_dir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert TensorBoardLogger("~/tb").root_dir == str(tmp_path / "tb" / "lightning_logs")
