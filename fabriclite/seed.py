@@ -6,7 +6,7 @@ import functools
 import os
 import random
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -53,8 +53,9 @@ def reset_seed() -> None:
 
 def pl_worker_init_function(worker_id: int, rank: int | None = None) -> None:
     """Seed ``random``, NumPy and torch in a DataLoader worker from the loader's base seed, ``worker_id`` and the
-    global ``rank`` (by default ``RANK`` from the environment), so that no two workers of any two ranks draw the
-    same numbers and a run with the same seed draws them again. The seeds are those Lightning derives.
+    global ``rank`` (by default ``RANK`` from the environment), so that workers, and the same worker on different
+    ranks, draw different numbers, and a run with the same seed draws them again. The seeds are those Lightning
+    2.6.1 and later derive.
 
     Usage: ``DataLoader(..., worker_init_fn=functools.partial(pl_worker_init_function, rank=fabric.global_rank))``;
     ``fabric.setup_dataloaders`` installs it after ``seed_everything(seed, workers=True)``.

@@ -1,6 +1,10 @@
-"""Seeding DataLoader workers after seed_everything(workers=True): per worker and per rank, reproducibly, with the
-seeds Lightning derives."""
+"""seed_everything and reset_seed, and the seeding of DataLoader workers after seed_everything(workers=True): each
+worker of each rank draws numbers of its own, the same ones again for the same seed, and the ones Lightning's
+pl_worker_init_function gives them."""
 
+import json
+import os
+import pickle
 import random
 from functools import partial
 from importlib.util import find_spec
@@ -8,70 +12,183 @@ from importlib.util import find_spec
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from fabriclite import Fabric, seed_everything
 from fabriclite.seed import pl_worker_init_function, reset_seed, worker_init_function
-from helpers import SCRIPTS, run_python
+from helpers import run_python
+
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "FABRICLITE_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
-class Draws(Dataset):
-    """Each item is what the worker's three generators draw next."""
+@pytest.fixture(autouse=True)
+def restore_seed_state():
+    """Each test starts with no exported seed; the variables and generators it changes are put back afterwards, so
+    PL_SEED_WORKERS=1 never reaches another test's loaders."""
+    saved = {name: os.environ.pop(name, None) for name in _SEED_VARIABLES}
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
+
+class WorkerDraws(Dataset):
+    """Item i: the worker that made it, the seed the DataLoader gave that worker, and one draw each from torch,
+    random and NumPy."""
 
     def __len__(self):
         return 4
 
     def __getitem__(self, index):
-        return torch.tensor([torch.rand(1).item(), random.random(), float(np.random.rand())])
+        info = get_worker_info()
+        return info.id, info.seed, (torch.rand(1).item(), random.random(), float(np.random.rand()))
 
 
-def worker_draws(seed, rank=0, workers=True):
+def first_draws(seed, rank, workers=True):
+    """``[(worker_id, worker_seed, draws)]`` for the first item of each of the two workers of a loader set up on
+    global rank ``rank``, as fabric.setup_dataloaders sets it up."""
     seed_everything(seed, workers=workers, verbose=False)
-    loader = DataLoader(Draws(), batch_size=1, num_workers=2)  # items 0, 2 from worker 0; 1, 3 from worker 1
-    if rank == 0:
-        loader = Fabric(accelerator="cpu").setup_dataloaders(loader)
-    else:  # what setup_dataloaders does on another rank
-        loader.worker_init_fn = worker_init_function(loader.worker_init_fn, rank)
-    return torch.cat(list(loader))
+    loader = DataLoader(WorkerDraws(), batch_size=None, num_workers=2)
+    loader.worker_init_fn = worker_init_function(loader.worker_init_fn, rank)
+    items = list(loader)  # in order: items 0 and 2 come from worker 0, items 1 and 3 from worker 1
+    assert [item[0] for item in items] == [0, 1, 0, 1]
+    return [(worker_id, worker_seed, tuple(draws)) for worker_id, worker_seed, draws in items[:2]]
 
 
-def test_setup_dataloaders_installs_the_seeding_function_and_runs_repeat():
+def draws_after_our_init(worker_seed, worker_id, rank):
+    """What a worker draws first after the DataLoader's seeding and pl_worker_init_function, in this process."""
+    torch.manual_seed(worker_seed)  # what the DataLoader does in the worker before its worker_init_fn
+    pl_worker_init_function(worker_id, rank=rank)
+    return torch.rand(1).item(), random.random(), float(np.random.rand())
+
+
+def lightnings_documented_draws(worker_seed, worker_id, rank):
+    """The first torch, random and NumPy draws of a worker seeded by Lightning's pl_worker_init_function (2.6.1 on),
+    written out from its algorithm: base = the worker's seed minus its id; base << 32 | worker_id << 16 | rank is
+    mixed by MurmurHash3's 64-bit finalizer and then stepped through Knuth's MMIX linear congruential generator;
+    step 1 seeds torch, steps 2 and 3 (high and low 64 bits) seed random; NumPy gets 4 words of
+    SeedSequence([base, worker_id, rank])."""
+    base = worker_seed - worker_id
+    mask = 2**64 - 1
+
+    def fmix64(x):
+        x ^= x >> 33
+        x = (x * 0xFF51AFD7ED558CCD) & mask
+        x ^= x >> 33
+        x = (x * 0xC4CEB9FE1A85EC53) & mask
+        return x ^ (x >> 33)
+
+    state, steps = fmix64((base << 32) | (worker_id << 16) | rank), []
+    for _ in range(3):
+        state = (6364136223846793005 * state + 1) & mask
+        steps.append(state)
+    numpy_seed = np.random.SeedSequence([base, worker_id, rank]).generate_state(4)
+    return (
+        torch.rand(1, generator=torch.Generator().manual_seed(steps[0])).item(),
+        random.Random((steps[1] << 32) | steps[2]).random(),
+        float(np.random.RandomState(numpy_seed).rand()),
+    )
+
+
+# (worker_seed, worker_id, rank) beyond what a loader happens to give: the smallest base seed, the largest seeds.
+EDGE_CASES = [(0, 0, 0), (1, 1, 0), (2**63 - 1, 0, 1), (2**63 + 2, 3, 7), (123456789, 7, 15)]
+
+
+def test_each_worker_draws_its_own_numbers_and_the_same_again_for_the_same_seed():
+    (_, _, worker_0), (_, _, worker_1) = first_draws(7, rank=0)
+    assert all(a != b for a, b in zip(worker_0, worker_1))
+    assert first_draws(7, rank=0) == first_draws(7, rank=0)
+    assert all(a != b for a, b in zip(worker_0, first_draws(8, rank=0)[0][2]))
+
+
+def test_ranks_draw_different_numbers_where_without_workers_true_they_draw_the_same():
+    # Every rank seeds the same: its loaders give workers the same seeds, and only the rank can tell them apart.
+    assert first_draws(7, rank=0, workers=False) == first_draws(7, rank=1, workers=False)
+    on_rank_0, on_rank_1 = first_draws(7, rank=0), first_draws(7, rank=1)
+    for (_, seed_0, draws_0), (_, seed_1, draws_1) in zip(on_rank_0, on_rank_1):
+        assert seed_0 == seed_1 and all(a != b for a, b in zip(draws_0, draws_1))
+
+
+def test_workers_draw_what_lightnings_documented_derivation_gives(monkeypatch):
+    for rank in (0, 5):
+        for worker_id, worker_seed, draws in first_draws(3, rank):
+            assert draws == lightnings_documented_draws(worker_seed, worker_id, rank)
+    for case in EDGE_CASES:
+        assert draws_after_our_init(*case) == lightnings_documented_draws(*case)
+    monkeypatch.setenv("RANK", "3")  # without a rank argument, the process's own
+    torch.manual_seed(1000)
+    pl_worker_init_function(1)
+    assert (torch.rand(1).item(), random.random(), float(np.random.rand())) == lightnings_documented_draws(1000, 1, 3)
+
+
+# In its own process: importing Lightning replaces torch.compile process-wide.
+_LIGHTNINGS_DRAWS = """
+import json, random, sys
+import numpy as np, torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
+draws = []
+for worker_seed, worker_id, rank in json.loads(sys.argv[1]):
+    torch.manual_seed(worker_seed)
+    pl_worker_init_function(worker_id, rank=rank)
+    draws.append([torch.rand(1).item(), random.random(), float(np.random.rand())])
+print(json.dumps(draws))
+"""
+
+
+def test_workers_draw_what_lightnings_own_function_gives():
+    if find_spec("lightning") is None:
+        pytest.skip("lightning is not installed; the documented derivation is checked without it")
+    cases, ours = [], []
+    for rank in (0, 5):
+        for worker_id, worker_seed, draws in first_draws(3, rank):
+            cases.append((worker_seed, worker_id, rank))
+            ours.append(draws)
+    for case in EDGE_CASES:
+        cases.append(case)
+        ours.append(draws_after_our_init(*case))
+    out = run_python("-c", _LIGHTNINGS_DRAWS, json.dumps(cases), timeout=120).stdout
+    assert [tuple(draws) for draws in json.loads(out.strip().splitlines()[-1])] == ours
+
+
+def test_setup_dataloaders_gives_a_loader_without_its_own_function_the_seeding_one():
     seed_everything(7, workers=True, verbose=False)
-    loader = Fabric(accelerator="cpu").setup_dataloaders(DataLoader(Draws(), num_workers=2))
-    assert loader.worker_init_fn.func is pl_worker_init_function and loader.worker_init_fn.keywords == {"rank": 0}
-    draws = worker_draws(7)
-    assert not torch.equal(draws[0], draws[1])  # two workers
-    assert torch.equal(worker_draws(7), draws)  # the same seed draws the same numbers again
-    assert not torch.equal(worker_draws(8), draws)
+    loader = Fabric(accelerator="cpu").setup_dataloaders(DataLoader(WorkerDraws(), batch_size=None, num_workers=2))
+    assert (loader.worker_init_fn.func, loader.worker_init_fn.keywords) == (pl_worker_init_function, {"rank": 0})
+    assert [(worker_id, seed, tuple(draws)) for worker_id, seed, draws in list(loader)[:2]] == first_draws(7, rank=0)
 
 
-def test_ranks_draw_different_numbers_in_their_workers():
-    assert not torch.equal(worker_draws(7, rank=0)[:, 1:], worker_draws(7, rank=1)[:, 1:])
+def test_the_installed_function_is_bound_to_the_rank_and_pickles_for_worker_processes():
+    seed_everything(3, workers=True, verbose=False)
+    installed = worker_init_function(None, 2)
+    assert isinstance(installed, partial)
+    assert (installed.func, installed.args, installed.keywords) == (pl_worker_init_function, (), {"rank": 2})
+    copy = pickle.loads(pickle.dumps(installed))
+    assert (copy.func, copy.keywords) == (pl_worker_init_function, {"rank": 2})
 
 
-def test_without_workers_true_or_with_a_users_function_nothing_is_installed():
+def test_nothing_is_installed_without_workers_true_nor_over_the_loaders_own_function():
+    assert worker_init_function(None, 0) is None  # seed_everything never called
     seed_everything(3, workers=False, verbose=False)
     assert worker_init_function(None, 0) is None
     seed_everything(3, workers=True, verbose=False)
-    mine = print
-    assert worker_init_function(mine, 0) is mine
-    installed = worker_init_function(None, 2)
-    assert isinstance(installed, partial) and installed.func is pl_worker_init_function and installed.keywords == {
-        "rank": 2
-    }
+
+    def users_own(worker_id):
+        pass
+
+    assert worker_init_function(users_own, 0) is users_own
 
 
-def test_reset_seed_seeds_again_from_the_exported_seed():
-    seed_everything(11, verbose=False)
-    first = torch.rand(2)
-    torch.rand(5)
+def test_reset_seed_seeds_again_with_the_exported_seed_and_workers_choice():
+    reset_seed()  # nothing exported: nothing happens
+    assert "PL_GLOBAL_SEED" not in os.environ
+    seed_everything(11, workers=True, verbose=False)
+    first = torch.rand(2), random.random(), np.random.rand()
     reset_seed()
-    assert torch.equal(torch.rand(2), first)
-
-
-@pytest.mark.parametrize("package", ["lightning"])
-def test_worker_seeds_equal_lightnings(package):
-    if find_spec(package) is None:  # not imported here: importing Lightning patches torch.compile process-wide
-        pytest.skip(f"{package} is not installed (the 'lightning' extra)")
-    out = run_python(str(SCRIPTS / "worker_seeds.py"), package, timeout=120).stdout
-    assert "PASS 0 the same seeds as Lightning's" in out, out
+    again = torch.rand(2), random.random(), np.random.rand()
+    assert torch.equal(again[0], first[0]) and again[1:] == first[1:]
+    assert os.environ["PL_SEED_WORKERS"] == "1"

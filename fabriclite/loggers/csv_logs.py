@@ -55,9 +55,11 @@ class CSVLogger(_VersionedLogger):
     def experiment(self) -> _ExperimentWriter:
         """The writer of ``metrics.csv``, as Lightning's ``CSVLogger.experiment``: ``log_metrics(metrics_dict,
         step)`` (no prefix added), ``save()``, ``metrics`` (the buffered rows), ``metrics_file_path``, ``log_dir``.
+        As in Lightning, asking for it creates ``log_dir``, so files can be written next to ``metrics.csv``.
 
         Usage: ``logger.experiment.log_metrics({"loss": 0.25}, step=3)``
         """
+        os.makedirs(self.log_dir, exist_ok=True)
         return _ExperimentWriter(self)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:

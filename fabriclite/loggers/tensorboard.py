@@ -24,7 +24,8 @@ _MISSING = (
 
 
 class TensorBoardLogger(_VersionedLogger):
-    """Log to TensorBoard under ``root_dir/name/version_N[/sub_dir]``, like Lightning Fabric's logger.
+    """Log to TensorBoard under ``root_dir/name/version_N[/sub_dir]``, like Lightning Fabric's logger; environment
+    variables in these parts and a leading ``~`` are expanded, as Lightning does.
 
     The ``SummaryWriter`` (``experiment``) is created on first use, with ``**kwargs`` passed to it. It
     writes from a background thread every ``flush_secs`` (120 s by default); call ``finalize()`` (or
@@ -52,10 +53,14 @@ class TensorBoardLogger(_VersionedLogger):
         # and only by the rank that logs, yet a missing install fails here, before training starts.
         if importlib.util.find_spec("tensorboard") is None:
             raise ModuleNotFoundError(_MISSING)
-        # "$SCRATCH/logs" and "~/logs" name the folder they expand to, as in Lightning's logger.
-        super().__init__(os.path.expanduser(os.path.expandvars(os.fspath(root_dir))), name, version, prefix)
+        # Lightning expands variables (and a leading "~") in the log_dir it writes to: root_dir="$SCRATCH/logs",
+        # name="run_$SLURM_JOB_ID". Expanding the parts here keeps the version_N scan in that same folder.
+        root_dir = os.path.expanduser(os.path.expandvars(os.fspath(root_dir)))
+        name = os.path.expandvars(name) if name else name
+        version = os.path.expandvars(version) if isinstance(version, str) else version
+        super().__init__(root_dir, name, version, prefix)
         self._default_hp_metric = default_hp_metric
-        self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
+        self._sub_dir = None if sub_dir is None else os.path.expandvars(os.fspath(sub_dir))
         self._kwargs = kwargs
         self._experiment: SummaryWriter | None = None
 
@@ -121,30 +126,38 @@ class TensorBoardLogger(_VersionedLogger):
         for summary in hparams(params, metrics):
             writer.file_writer.add_summary(summary)
 
-    def log_graph(self, model: Any, input_array: Any = None) -> None:
+    def log_graph(self, model: torch.nn.Module, input_array: Any = None) -> None:
         """Write the model's graph, traced on ``input_array`` (a tensor, or a tuple of ``forward``'s positional
-        arguments; by default ``model.example_input_array``). Without an input it warns and writes nothing.
+        arguments; by default ``model.example_input_array``). Without a usable input it warns and writes nothing.
 
         Usage: ``logger.log_graph(model, torch.randn(1, 3, 32, 32))``
         """
         if input_array is None:
             input_array = getattr(model, "example_input_array", None)
-        model = getattr(model, "module", model) if type(model).__name__ == "_FabricModule" else model
+        # A model from fabric.setup (compiled afterwards or not) is traced as the user's module, as Lightning's
+        # _unwrap_objects does; any other module, a DDP wrapper say, is traced as it is.
+        original = getattr(model, "_original_module", None)
+        model = original if isinstance(original, torch.nn.Module) else model
         if input_array is None:
             warnings.warn(
                 "Could not log the graph to TensorBoard: pass input_array, or set model.example_input_array.",
                 UserWarning,
                 stacklevel=2,
             )
-        elif not isinstance(input_array, (torch.Tensor, tuple)):
+            return
+        if not isinstance(input_array, (torch.Tensor, tuple)):
             warnings.warn(
                 f"Could not log the graph to TensorBoard: the input is a {type(input_array).__name__}; pass a tensor, "
                 "or a tuple of the positional arguments of the model's forward.",
                 UserWarning,
                 stacklevel=2,
             )
-        else:
-            self.experiment.add_graph(model, input_array)
+            return
+        if callable(getattr(model, "_on_before_batch_transfer", None)) and callable(
+            getattr(model, "_apply_batch_transfer_handler", None)
+        ):  # a LightningModule: its batch hooks move the input to its device, as they do for Lightning
+            input_array = model._apply_batch_transfer_handler(model._on_before_batch_transfer(input_array))
+        self.experiment.add_graph(model, input_array)
 
     def save(self) -> None:
         """Flush pending events to disk.

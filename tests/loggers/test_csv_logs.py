@@ -211,6 +211,7 @@ def test_params_that_are_not_a_dict_or_namespace_are_rejected(tmp_path):
 def test_experiment_is_the_metrics_writer_as_in_lightning(tmp_path):
     logger = CSVLogger(tmp_path, prefix="train")
     writer = logger.experiment
+    assert os.path.isdir(writer.log_dir)  # files can go next to metrics.csv, as in Lightning
     writer.log_metrics({"loss": torch.tensor(0.5)}, step=2)  # as it is: no prefix
     logger.log_metrics({"loss": 0.25}, step=3)
     assert writer.metrics == [{"loss": 0.5, "step": 2}, {"train-loss": 0.25, "step": 3}]
@@ -219,3 +220,14 @@ def test_experiment_is_the_metrics_writer_as_in_lightning(tmp_path):
     with open(writer.metrics_file_path, newline="") as file:
         rows = list(csv.DictReader(file))
     assert [(row["step"], row["loss"], row["train-loss"]) for row in rows] == [("2", "0.5", ""), ("3", "", "0.25")]
+
+
+def test_variables_in_root_dir_are_not_expanded_as_in_lightning(tmp_path, monkeypatch):
+    # Lightning's CSVLogger, unlike its TensorBoardLogger, takes the path as it is.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FABRICLITE_TEST_LOGS", str(tmp_path / "expanded"))
+    logger = CSVLogger("$FABRICLITE_TEST_LOGS", name="exp")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert logger.log_dir == os.path.join("$FABRICLITE_TEST_LOGS", "exp", "version_0")
+    assert (tmp_path / "$FABRICLITE_TEST_LOGS" / "exp" / "version_0" / "metrics.csv").is_file()
