@@ -49,18 +49,26 @@ def statements() -> dict[str, str]:
     return found
 
 
+# The child's own peak resident memory, read after the statement: ru_maxrss would also count the memory of this
+# (large) process, which posix_spawn's child shares until it execs.
+_PEAK = "; import sys; sys.stdout.write(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')))"
+
+
 def run_once(statement: str) -> dict[str, float]:
     """Wall ms, CPU ms and peak RSS (MiB) of one ``python -c statement``."""
+    read_end, write_end = os.pipe()
     start = time.perf_counter()
     # The child's stderr is dropped: some libraries print warnings at exit; a failure says how to see them.
-    quiet = [(os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
-    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", statement], os.environ, file_actions=quiet)
+    files = [(os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0), (os.POSIX_SPAWN_DUP2, write_end, 1)]
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", statement + _PEAK], os.environ, file_actions=files)
+    os.close(write_end)
     _, status, usage = os.wait4(pid, 0)
     wall = time.perf_counter() - start
+    with os.fdopen(read_end) as pipe:
+        peak_kib = int(pipe.read().split()[1])  # "VmHWM:  224512 kB"
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"python -c {statement!r} failed; run it by hand to see why.")
-    return {"wall": wall * 1000, "cpu": (usage.ru_utime + usage.ru_stime) * 1000,
-            "rss": usage.ru_maxrss / 1024}  # ru_maxrss is in KiB on Linux
+    return {"wall": wall * 1000, "cpu": (usage.ru_utime + usage.ru_stime) * 1000, "rss": peak_kib / 1024}
 
 
 def measure(runs: int) -> dict[str, dict[str, list[float]]]:
