@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def passed(output: str) -> set[tuple[str, str]]:
+    """The ``(rank, check name)`` pairs of the "PASS <rank> <name>" lines a check script printed (ranks share one
+    pipe, so a line may run into the next one's PASS or DONE)."""
+    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
 
 
 def python_env(**extra: str) -> dict[str, str]:

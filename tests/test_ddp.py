@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, SCRIPTS, python_env, run_python
+from helpers import ROOT, SCRIPTS, passed, python_env, run_python
 
 CHECKS = [
     "layout",
@@ -36,10 +36,6 @@ SCALER_CHECKS = [
     "every rank backs off the scale",
     "after a skip the next step applies on every rank",
 ]
-
-
-def passed(output):
-    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
 
 
 @pytest.fixture(scope="module")

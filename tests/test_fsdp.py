@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import SCRIPTS, run_python, sigkill, start_python
+from helpers import SCRIPTS, passed, run_python, sigkill, start_python
 from torch import nn
 
 from fabriclite.checkpoint import load as load_checkpoint
@@ -55,10 +55,6 @@ ONE_PROCESS_CHECKS = [
     "FSDP on one process loads the 2-process sharded checkpoint",
     "consolidate writes the full checkpoint's content",
 ]
-
-
-def passed(output):
-    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
 
 
 @pytest.fixture(scope="module")

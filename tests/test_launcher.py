@@ -2,16 +2,11 @@
 the script again (subprocess), and in new processes (spawn). Each multi-process run carries a timeout."""
 
 import pickle
-import re
 
 import pytest
 
 from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher
-from helpers import SCRIPTS, run_python
-
-
-def passed(output):
-    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
+from helpers import SCRIPTS, passed, run_python
 
 
 def test_in_process_runs_the_function_here_and_returns_its_result():

@@ -2,7 +2,6 @@
 methods other than forward under DDP/FSDP, scripts without launch() under the run CLI, LightningModules, callback
 hooks, and wrapper details. Multi-process runs carry timeouts."""
 
-import re
 import warnings
 from importlib.util import find_spec
 
@@ -12,11 +11,7 @@ from torch import nn
 
 from fabriclite import Fabric
 from fabriclite.strategies import DDPStrategy
-from helpers import SCRIPTS, run_python
-
-
-def passed(output):
-    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
+from helpers import SCRIPTS, passed, run_python
 
 
 FORWARD_METHOD_CHECKS = [

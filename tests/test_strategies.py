@@ -3,7 +3,6 @@ layout, what travels to a new process, checkpoint files through a CheckpointIO, 
 processes (gloo) with no Fabric in between."""
 
 import pickle
-import re
 from datetime import timedelta
 
 import pytest
@@ -16,7 +15,7 @@ from fabriclite.checkpoint import TorchCheckpointIO
 from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher
 from fabriclite.plugins import MixedPrecision, Precision
 from fabriclite.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy, select_strategy
-from helpers import SCRIPTS, run_python
+from helpers import SCRIPTS, passed, run_python
 
 LAUNCH_VARS = [
     "RANK",
@@ -184,7 +183,7 @@ CHECKS = [
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_a_distributed_strategy_runs_two_processes_through_its_own_interface(kind):
     out = run_python(str(SCRIPTS / "strategy_checks.py"), kind, timeout=240).stdout
-    found = set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", out))
+    found = passed(out)
     for name in CHECKS:
         assert {("0", name), ("1", name)} <= found, out[-2000:]
     assert ("0", "rank 0's result comes back") in found, out[-2000:]
