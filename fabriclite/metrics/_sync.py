@@ -1,9 +1,7 @@
 """Syncing metric states across processes: one function, ``sync_states``, that every rank calls with states of the
-same names in the same order.
-
-Deadlock-freedom rests on one rule: the sequence of collectives depends only on what every rank knows alike (the
-state names, their reductions, and tables that were themselves all-gathered), never on a rank's local data. That is
-why a rank with nothing in a ``cat`` state still joins every gather, and why the shapes are exchanged first.
+same names in the same order. Its collectives are ``fabriclite.collectives``' (whose docstring says why they cannot
+deadlock): first one ``all_gather_uneven`` of every state that gathers, which a rank with nothing in a ``cat`` state
+still joins, then one ``all_reduce`` per reduced state, in the states' order.
 """
 
 from __future__ import annotations
@@ -12,15 +10,10 @@ from typing import Any, Callable, Union
 
 import torch
 
-from fabriclite.collectives import REDUCE_OPS, all_gather_uneven, all_reduce, is_distributed
+from fabriclite.collectives import REDUCE_OPS, all_gather_uneven, all_reduce
 
 Reduction = Union[str, Callable[[torch.Tensor], torch.Tensor], None]
 State = Union[torch.Tensor, list]
-
-
-def distributed_available(group: Any = None) -> bool:
-    """Whether there is more than one process to sync with."""
-    return is_distributed(group)
 
 
 def sync_states(

@@ -37,7 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from fabriclite._padding import current_padding
-from fabriclite.metrics._sync import Reduction, State, distributed_available, sync_states
+from fabriclite.collectives import is_distributed
+from fabriclite.metrics._sync import Reduction, State, sync_states
 
 _NAMED_REDUCTIONS = ("sum", "mean", "min", "max", "cat")
 # set on every update or compute; see Metric.__setattr__
@@ -235,7 +236,7 @@ class Metric(nn.Module):
         if self._local_states is not None:
             raise RuntimeError(f"{type(self).__name__} is already synced; call unsync() first")
         group = process_group if process_group is not None else self.process_group
-        if not distributed_available(group):
+        if not is_distributed(group):
             return
         self._local_states = self.metric_state
         for name, value in sync_states(self._local_states, self._reductions, group, self._device).items():
@@ -451,7 +452,7 @@ def _wrap_compute(compute: Callable) -> Callable:
             self.sync_on_compute
             and not self._forwarding
             and self._local_states is None
-            and distributed_available(self.process_group)
+            and is_distributed(self.process_group)
         )
         # The cache serves one process only. Across processes it would be wrong (another rank may have updated
         # since) and could deadlock (a rank answering from its cache skips the collectives the others wait in).
