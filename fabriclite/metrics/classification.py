@@ -8,13 +8,13 @@ Inputs are described in ``_inputs`` (where they are checked and formatted). The 
 Macro averages and classes that never occur. With ``average="macro"`` a multiclass class that appears in neither
 ``preds`` nor ``target`` of all the data seen is left out of the average (torchmetrics' rule; for Accuracy,
 Precision and Recall with ``top_k > 1``, a class absent from ``target``). scikit-learn without ``labels=`` does the
-same, since it averages over the classes present in ``y_true`` or ``y_pred``. scikit-learn with ``labels=range(num_classes)`` instead counts such a
-class with the score ``zero_division`` (0 by default), which pulls the average down. To get that value, take the
-mean of the per-class scores: ``F1Score(task="multiclass", num_classes=C, average="none").compute().mean()`` (the
-absent class holds ``zero_division`` there). Two related differences: ``balanced_accuracy_score`` averages recall
-over the classes present in ``y_true`` only, so it equals ``Accuracy(average="macro")`` (= macro recall) whenever
-every predicted class also occurs in the target; and multilabel macro averages always count every label, as
-scikit-learn does.
+same, since it averages over the classes present in ``y_true`` or ``y_pred``. scikit-learn with
+``labels=range(num_classes)`` instead counts such a class with the score ``zero_division`` (0 by default), which
+pulls the average down. To get that value, take the mean of the per-class scores:
+``F1Score(task="multiclass", num_classes=C, average="none").compute().mean()`` (the absent class holds
+``zero_division`` there). Two related differences: ``balanced_accuracy_score`` averages recall over the classes
+present in ``y_true`` only, so it equals ``Accuracy(average="macro")`` (= macro recall) whenever every predicted
+class also occurs in the target; and multilabel macro averages always count every label, as scikit-learn does.
 """
 
 from __future__ import annotations
@@ -24,22 +24,15 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from fabriclite.metrics._inputs import (
-    _NORMALIZE,
-    Average,
-    Task,
-    _check_args,
-    _format,
-    _safe_divide,
-)
+from fabriclite.metrics._inputs import _NORMALIZE, Average, Task, _check_args, _format, _safe_divide
 from fabriclite.metrics.metric import Metric
 
-# ---------------------------------------------------------------------------------------------------- counting
+Stats = tuple[Tensor, Tensor, Tensor, Tensor]  # true positives, false positives, true negatives, false negatives
+
+# ------------------------------------------------------------------------------------------- counts and scores
 
 
-def _stat_scores_update(
-    preds: Tensor, target: Tensor, task: str, size: int, average: Average = "macro"
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _stat_scores_update(preds: Tensor, target: Tensor, task: str, size: int, average: Average = "macro") -> Stats:
     """True/false positives/negatives: scalars for binary and multiclass ``micro`` (only their sums over classes
     matter), one per class or label otherwise."""
     if task == "binary":
@@ -65,33 +58,40 @@ def _stat_scores_update(
     return tp, fp, negative.sum(0) - fp, positive.sum(0) - tp
 
 
-def _stat_scores(
-    preds: Tensor,
-    target: Tensor,
-    task: str,
-    size: int,
-    average: Average,
-    threshold: float,
-    top_k: int,
-    ignore_index: int | None,
-    validate_args: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    preds, target = _format(preds, target, task, size, threshold, top_k, ignore_index, validate_args)
-    return _stat_scores_update(preds, target, task, size, average)
+def _confusion_matrix_update(preds: Tensor, target: Tensor, task: str, size: int) -> Tensor:
+    """Counts ``[target, pred]``: (2, 2) binary, (C, C) multiclass, (L, 2, 2) multilabel."""
+    if task == "multiclass":
+        return torch.bincount(target * size + preds, minlength=size * size).reshape(size, size)
+    tp, fp, tn, fn = _stat_scores_update(preds, target, task, size)  # a few sums: faster than a bincount of cells
+    return torch.stack([tn, fp, fn, tp], -1).reshape(*tp.shape, 2, 2)
 
 
-def _average(
-    num: Tensor, denom: Tensor, stats: tuple[Tensor, ...], task: str, average: Average, top_k: int, zero_division: float
+def _stat_scores_compute(
+    stats: Stats, score: str, task: str, average: Average, top_k: int = 1, zero_division: float = 0, beta: float = 1.0
 ) -> Tensor:
-    """``num / denom`` per class, averaged as asked (``micro`` sums the counts before dividing)."""
+    """``score`` ("accuracy", "precision", "recall" or "fbeta") per class from the counts, averaged as asked
+    (``micro`` sums the counts before dividing)."""
+    tp, fp, tn, fn = stats
+    if score == "fbeta":
+        # From the counts rather than from precision and recall: defined (and equal to scikit-learn's) even when one
+        # of them is 0/0. top_k=1 on purpose: torchmetrics' F-scores leave out of the macro average only the classes
+        # with no tp, fp or fn even with top_k > 1 (its precision and recall leave out the classes absent from target)
+        num, top_k = (1 + beta**2) * tp, 1
+        denom = num + beta**2 * fn + fp
+    elif score == "precision":
+        num, denom = tp, tp + fp
+    elif score == "recall" or task == "multiclass":
+        # multiclass accuracy is recall: each sample is one positive, for its target class
+        num, denom = tp, tp + fn
+    else:  # accuracy: binary, or per label
+        num, denom = tp + tn, tp + tn + fp + fn
     if task == "binary":
         return _safe_divide(num, denom, zero_division)
     if average == "micro":
         return _safe_divide(num.sum(), denom.sum(), zero_division)
-    score = _safe_divide(num, denom, zero_division)
+    per_class = _safe_divide(num, denom, zero_division)
     if average in ("none", None):
-        return score
-    tp, fp, _, fn = stats
+        return per_class
     if average == "weighted":
         weights = (tp + fn).float()
     elif task == "multiclass":
@@ -99,37 +99,8 @@ def _average(
         absent = (tp + fp + fn == 0) if (top_k or 1) == 1 else (tp + fn == 0)
         weights = (~absent).float()
     else:
-        weights = torch.ones_like(score)
-    return _safe_divide((weights * score).sum(), weights.sum())
-
-
-def _accuracy_compute(stats: tuple[Tensor, ...], task: str, average: Average, top_k: int = 1) -> Tensor:
-    tp, fp, tn, fn = stats
-    if task == "multiclass":  # each sample is one positive for its target class: accuracy is recall
-        return _average(tp, tp + fn, stats, task, average, top_k, 0)
-    return _average(tp + tn, tp + tn + fp + fn, stats, task, average, top_k, 0)
-
-
-def _precision_compute(
-    stats: tuple[Tensor, ...], task: str, average: Average, top_k: int, zero_division: float
-) -> Tensor:
-    tp, fp, _, _ = stats
-    return _average(tp, tp + fp, stats, task, average, top_k, zero_division)
-
-
-def _recall_compute(stats: tuple[Tensor, ...], task: str, average: Average, top_k: int, zero_division: float) -> Tensor:
-    tp, _, _, fn = stats
-    return _average(tp, tp + fn, stats, task, average, top_k, zero_division)
-
-
-def _fbeta_compute(stats: tuple[Tensor, ...], beta: float, task: str, average: Average, zero_division: float) -> Tensor:
-    tp, fp, _, fn = stats
-    # F from the counts rather than from precision and recall: defined (and equal to scikit-learn's) even when
-    # one of them is 0/0
-    weighted_tp = (1 + beta**2) * tp
-    # top_k=1 on purpose: torchmetrics' F-scores leave out of the macro average only the classes with no tp, fp
-    # or fn even with top_k > 1 (its precision and recall leave out the classes absent from the target)
-    return _average(weighted_tp, weighted_tp + beta**2 * fn + fp, stats, task, average, 1, zero_division)
+        weights = torch.ones_like(per_class)
+    return _safe_divide((weights * per_class).sum(), weights.sum())
 
 
 def _check_beta(beta: Any) -> float:
@@ -158,8 +129,9 @@ def accuracy(
     Usage: ``accuracy(logits, labels, task="multiclass", num_classes=10)``.
     """
     size = _check_args(task, num_classes, num_labels, threshold, average, top_k, ignore_index)
-    stats = _stat_scores(preds, target, task, size, average, threshold, top_k, ignore_index, validate_args)
-    return _accuracy_compute(stats, task, average, top_k)
+    preds, target = _format(preds, target, task, size, threshold, top_k, ignore_index, validate_args)
+    stats = _stat_scores_update(preds, target, task, size, average)
+    return _stat_scores_compute(stats, "accuracy", task, average, top_k)
 
 
 def precision(
@@ -180,8 +152,9 @@ def precision(
     Usage: ``precision(logits, labels, task="multiclass", num_classes=10, average="macro")``.
     """
     size = _check_args(task, num_classes, num_labels, threshold, average, top_k, ignore_index, zero_division)
-    stats = _stat_scores(preds, target, task, size, average, threshold, top_k, ignore_index, validate_args)
-    return _precision_compute(stats, task, average, top_k, zero_division)
+    preds, target = _format(preds, target, task, size, threshold, top_k, ignore_index, validate_args)
+    stats = _stat_scores_update(preds, target, task, size, average)
+    return _stat_scores_compute(stats, "precision", task, average, top_k, zero_division)
 
 
 def recall(
@@ -202,8 +175,9 @@ def recall(
     Usage: ``recall(probs, labels, task="binary")``.
     """
     size = _check_args(task, num_classes, num_labels, threshold, average, top_k, ignore_index, zero_division)
-    stats = _stat_scores(preds, target, task, size, average, threshold, top_k, ignore_index, validate_args)
-    return _recall_compute(stats, task, average, top_k, zero_division)
+    preds, target = _format(preds, target, task, size, threshold, top_k, ignore_index, validate_args)
+    stats = _stat_scores_update(preds, target, task, size, average)
+    return _stat_scores_compute(stats, "recall", task, average, top_k, zero_division)
 
 
 def fbeta_score(
@@ -226,8 +200,9 @@ def fbeta_score(
     """
     beta = _check_beta(beta)
     size = _check_args(task, num_classes, num_labels, threshold, average, top_k, ignore_index, zero_division)
-    stats = _stat_scores(preds, target, task, size, average, threshold, top_k, ignore_index, validate_args)
-    return _fbeta_compute(stats, beta, task, average, zero_division)
+    preds, target = _format(preds, target, task, size, threshold, top_k, ignore_index, validate_args)
+    stats = _stat_scores_update(preds, target, task, size, average)
+    return _stat_scores_compute(stats, "fbeta", task, average, top_k, zero_division, beta)
 
 
 def f1_score(
@@ -248,15 +223,6 @@ def f1_score(
     Usage: ``f1_score(logits, labels, task="multiclass", num_classes=10, average="macro")``.
     """
     return fbeta_score(beta=1.0, **locals())
-
-
-def _confusion_matrix_update(preds: Tensor, target: Tensor, task: str, size: int) -> Tensor:
-    """Counts ``[target, pred]``: (2, 2) binary, (C, C) multiclass, (L, 2, 2) multilabel."""
-    if task == "multilabel":
-        cells = torch.arange(size, device=preds.device) * 4 + target * 2 + preds
-        return torch.bincount(cells[target >= 0], minlength=4 * size).reshape(size, 2, 2)
-    classes = 2 if task == "binary" else size
-    return torch.bincount(target * classes + preds, minlength=classes * classes).reshape(classes, classes)
 
 
 def _confusion_matrix_compute(confmat: Tensor, normalize: str | None) -> Tensor:
@@ -327,12 +293,14 @@ class _StatScores(Metric):
 
     def update(self, preds: Tensor, target: Tensor) -> None:
         """Count a batch."""
-        args = self.task, self.size, self.average, self.threshold, self.top_k, self.ignore_index, self.validate_args
-        tp, fp, tn, fn = _stat_scores(preds, target, *args)
+        preds, target = _format(
+            preds, target, self.task, self.size, self.threshold, self.top_k, self.ignore_index, self.validate_args
+        )
+        tp, fp, tn, fn = _stat_scores_update(preds, target, self.task, self.size, self.average)
         self.tp, self.fp, self.tn, self.fn = self.tp + tp, self.fp + fp, self.tn + tn, self.fn + fn
 
     @property
-    def _stats(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _stats(self) -> Stats:
         return self.tp, self.fp, self.tn, self.fn
 
 
@@ -361,7 +329,7 @@ class Accuracy(_StatScores):
 
     def compute(self) -> Tensor:
         """The accuracy of everything seen (all processes)."""
-        return _accuracy_compute(self._stats, self.task, self.average, self.top_k)
+        return _stat_scores_compute(self._stats, "accuracy", self.task, self.average, self.top_k)
 
 
 class Precision(_StatScores):
@@ -372,7 +340,7 @@ class Precision(_StatScores):
 
     def compute(self) -> Tensor:
         """The precision of everything seen (all processes)."""
-        return _precision_compute(self._stats, self.task, self.average, self.top_k, self.zero_division)
+        return _stat_scores_compute(self._stats, "precision", self.task, self.average, self.top_k, self.zero_division)
 
 
 class Recall(_StatScores):
@@ -383,7 +351,7 @@ class Recall(_StatScores):
 
     def compute(self) -> Tensor:
         """The recall of everything seen (all processes)."""
-        return _recall_compute(self._stats, self.task, self.average, self.top_k, self.zero_division)
+        return _stat_scores_compute(self._stats, "recall", self.task, self.average, self.top_k, self.zero_division)
 
 
 class FBetaScore(_StatScores):
@@ -406,23 +374,14 @@ class FBetaScore(_StatScores):
         zero_division: float = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
-            task,
-            threshold,
-            num_classes,
-            num_labels,
-            average,
-            top_k,
-            ignore_index,
-            validate_args,
-            zero_division,
-            **kwargs,
-        )
+        arguments = (threshold, num_classes, num_labels, average, top_k, ignore_index, validate_args, zero_division)
+        super().__init__(task, *arguments, **kwargs)
         self.beta = _check_beta(beta)
 
     def compute(self) -> Tensor:
         """The F-beta score of everything seen (all processes)."""
-        return _fbeta_compute(self._stats, self.beta, self.task, self.average, self.zero_division)
+        args = self.task, self.average, self.top_k, self.zero_division, self.beta
+        return _stat_scores_compute(self._stats, "fbeta", *args)
 
 
 class F1Score(FBetaScore):
@@ -431,21 +390,8 @@ class F1Score(FBetaScore):
     Usage: ``F1Score(task="multiclass", num_classes=10, average="macro")``.
     """
 
-    def __init__(
-        self,
-        task: Task,
-        threshold: float = 0.5,
-        num_classes: int | None = None,
-        num_labels: int | None = None,
-        average: Average = "micro",
-        top_k: int = 1,
-        ignore_index: int | None = None,
-        validate_args: bool = True,
-        zero_division: float = 0,
-        **kwargs: Any,
-    ) -> None:
-        arguments = {name: value for name, value in locals().items() if name not in ("self", "kwargs", "__class__")}
-        super().__init__(beta=1.0, **arguments, **kwargs)
+    beta = 1.0
+    __init__ = _StatScores.__init__  # F1's arguments are F-beta's without beta: those of Precision and Recall
 
 
 class ConfusionMatrix(Metric):
