@@ -20,29 +20,17 @@ As in torchmetrics: an exact ROC starts at threshold 1.0 (scikit-learn: ``inf``)
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from torch import Tensor
 
-from fabriclite.metrics._inputs import (
-    Task,
-    Thresholds,
-    _adjust_thresholds,
-    _check_curve_args,
-    _format_curve,
-    _safe_divide,
-)
-from fabriclite.metrics._curve_points import (
-    CurveState,
-    _as_binary,
-    _binned_counts,
-    _binned_update,
-    _exact_pr,
-    _exact_roc,
-    _per_class,
-)
+from fabriclite.metrics._curve_points import CurveState, _as_binary, _binned_counts, _binned_update, _per_class
+from fabriclite.metrics._curve_points import _exact_pr, _exact_roc
+from fabriclite.metrics._inputs import Task, Thresholds, _adjust_thresholds, _check_curve_args, _format_curve
+from fabriclite.metrics._inputs import _safe_divide
 from fabriclite.metrics.metric import Metric
 
 CurveAverage = Optional[Literal["micro", "macro", "weighted", "none"]]
@@ -69,10 +57,7 @@ def _roc_compute(state: CurveState, thresholds: Tensor | None, task: str, size: 
         tps, fps, positives, negatives = _binned_counts(state)
         fpr, tpr = _safe_divide(fps, negatives.expand_as(fps)), _safe_divide(tps, positives.expand_as(tps))
         return fpr.flip(-1), tpr.flip(-1), thresholds.flip(0)  # thresholds descending, as for exact curves
-    if task == "binary":
-        return _exact_roc(*state)
-    fpr, tpr, thres = zip(*(_exact_roc(*problem) for problem in _per_class(state, task, size)))
-    return list(fpr), list(tpr), list(thres)
+    return _exact_curves(_exact_roc, state, task, size)
 
 
 def _pr_compute(state: CurveState, thresholds: Tensor | None, task: str, size: int) -> tuple[Any, Any, Any]:
@@ -84,10 +69,15 @@ def _pr_compute(state: CurveState, thresholds: Tensor | None, task: str, size: i
         recall = _safe_divide(tps, positives.expand_as(tps), nan)
         ones, zeros = precision.new_ones((*precision.shape[:-1], 1)), recall.new_zeros((*recall.shape[:-1], 1))
         return torch.cat([precision, ones], -1), torch.cat([recall, zeros], -1), thresholds
+    return _exact_curves(_exact_pr, state, task, size)
+
+
+def _exact_curves(curve: Callable, state: CurveState, task: str, size: int) -> tuple[Any, Any, Any]:
+    """The exact ``curve`` of a binary problem, or the lists of its one-vs-rest curves, one per class or label."""
     if task == "binary":
-        return _exact_pr(*state)
-    precision, recall, thres = zip(*(_exact_pr(*problem) for problem in _per_class(state, task, size)))
-    return list(precision), list(recall), list(thres)
+        return curve(*state)
+    first, second, thresholds = zip(*(curve(*problem) for problem in _per_class(state, task, size)))
+    return list(first), list(second), list(thresholds)
 
 
 def _support(state: CurveState, thresholds: Tensor | None, task: str, size: int) -> Tensor:
@@ -120,12 +110,33 @@ def _auc(x: Tensor, y: Tensor) -> Tensor:
 def _auroc_compute(
     state: CurveState, thresholds: Tensor | None, task: str, size: int, average: CurveAverage, max_fpr: float | None
 ) -> Tensor:
+    area = _auc if max_fpr is None or max_fpr == 1 else functools.partial(_partial_auc, max_fpr=max_fpr)
+    return _area_compute(_roc_compute, area, state, thresholds, task, size, average)
+
+
+def _average_precision_compute(
+    state: CurveState, thresholds: Tensor | None, task: str, size: int, average: CurveAverage
+) -> Tensor:
+    return _area_compute(_pr_compute, _step_area, state, thresholds, task, size, average)
+
+
+def _area_compute(
+    curve: Callable,
+    area: Callable,
+    state: CurveState,
+    thresholds: Tensor | None,
+    task: str,
+    size: int,
+    average: CurveAverage,
+) -> Tensor:
+    """The ``area`` under ``curve`` per class, averaged as asked (multilabel micro: all labels as one binary problem)."""
     if task == "multilabel" and average == "micro":
-        return _auroc_compute(_as_binary(state, thresholds), thresholds, "binary", 1, None, None)
-    fpr, tpr, _ = _roc_compute(state, thresholds, task, size)
+        state, task, size = _as_binary(state, thresholds), "binary", 1
+    x, y, _ = curve(state, thresholds, task, size)
     if task == "binary":
-        return _auc(fpr, tpr) if max_fpr is None or max_fpr == 1 else _partial_auc(fpr, tpr, max_fpr)
-    scores = _auc(fpr, tpr) if thresholds is not None else torch.stack([_auc(f, t) for f, t in zip(fpr, tpr)])
+        return area(x, y)
+    # binned: (C, T) tensors, one area per row; exact: a curve per class
+    scores = area(x, y) if thresholds is not None else torch.stack([area(*xy) for xy in zip(x, y)])
     return _reduce_classes(scores, average, _support(state, thresholds, task, size))
 
 
@@ -140,22 +151,6 @@ def _partial_auc(fpr: Tensor, tpr: Tensor, max_fpr: float) -> Tensor:
     fpr = torch.cat([fpr[:stop], limit.view(1)])
     min_area = 0.5 * limit**2
     return 0.5 * (1 + (_auc(fpr, tpr) - min_area) / (limit - min_area))
-
-
-def _average_precision_compute(
-    state: CurveState, thresholds: Tensor | None, task: str, size: int, average: CurveAverage
-) -> Tensor:
-    if task == "multilabel" and average == "micro":
-        return _average_precision_compute(_as_binary(state, thresholds), thresholds, "binary", 1, None)
-    precision, recall, _ = _pr_compute(state, thresholds, task, size)
-    if task == "binary":
-        return _step_area(precision, recall)
-    scores = (
-        _step_area(precision, recall)
-        if thresholds is not None
-        else torch.stack([_step_area(p, r) for p, r in zip(precision, recall)])
-    )
-    return _reduce_classes(scores, average, _support(state, thresholds, task, size))
 
 
 def _step_area(precision: Tensor, recall: Tensor) -> Tensor:
@@ -272,20 +267,21 @@ def average_precision(
 
 
 class _CurveMetric(Metric):
-    """The states shared by the curve metrics: every score and target (exact), or a histogram (binned)."""
+    """The states shared by the curve metrics: every score and target (exact), or a histogram (binned). Its
+    arguments are AUROC's, the widest; the other curve metrics pass theirs on."""
 
     is_differentiable = False
 
     def __init__(
         self,
         task: Task,
-        thresholds: Thresholds,
-        num_classes: int | None,
-        num_labels: int | None,
-        ignore_index: int | None,
-        validate_args: bool,
+        thresholds: Thresholds = None,
+        num_classes: int | None = None,
+        num_labels: int | None = None,
         average: CurveAverage = "macro",
         max_fpr: float | None = None,
+        ignore_index: int | None = None,
+        validate_args: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -332,7 +328,9 @@ class _Curve(_CurveMetric):
         validate_args: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(task, thresholds, num_classes, num_labels, ignore_index, validate_args, **kwargs)
+        super().__init__(
+            task, thresholds, num_classes, num_labels, ignore_index=ignore_index, validate_args=validate_args, **kwargs
+        )
 
 
 class ROC(_Curve):
@@ -365,22 +363,6 @@ class AUROC(_CurveMetric):
 
     higher_is_better = True
 
-    def __init__(
-        self,
-        task: Task,
-        thresholds: Thresholds = None,
-        num_classes: int | None = None,
-        num_labels: int | None = None,
-        average: CurveAverage = "macro",
-        max_fpr: float | None = None,
-        ignore_index: int | None = None,
-        validate_args: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            task, thresholds, num_classes, num_labels, ignore_index, validate_args, average, max_fpr, **kwargs
-        )
-
     def compute(self) -> Tensor:
         """The AUROC over everything seen (all processes)."""
         return _auroc_compute(self._state, self.thresholds, self.task, self.size, self.average, self.max_fpr)
@@ -405,7 +387,16 @@ class AveragePrecision(_CurveMetric):
         validate_args: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(task, thresholds, num_classes, num_labels, ignore_index, validate_args, average, **kwargs)
+        super().__init__(
+            task,
+            thresholds,
+            num_classes,
+            num_labels,
+            average,
+            ignore_index=ignore_index,
+            validate_args=validate_args,
+            **kwargs,
+        )
 
     def compute(self) -> Tensor:
         """The average precision over everything seen (all processes)."""
