@@ -18,6 +18,7 @@ from fabriclite import checkpoint, choices
 from fabriclite._collections import apply_to_collection, convert_to_tensors, move_to_device, to_python_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
 from fabriclite.callbacks import call_hook
+from fabriclite.collectives import check_reduce_op
 from fabriclite.compile import CompileWatch, compile_kwargs
 from fabriclite.data import wrap_loader
 from fabriclite.kernels import kernels_usable
@@ -356,8 +357,6 @@ class Fabric:
     def all_reduce(self, data: Any, group: Any = None, reduce_op: str = "mean") -> Any:
         """Reduce tensors (or numbers, or collections of them) over every process with "mean", "sum", "max" or "min"."""
         self._check_launched("all_reduce")
-        from fabriclite.collectives import check_reduce_op
-
         reduce_op = check_reduce_op(reduce_op)
         data = convert_to_tensors(data, self.device)
         return apply_to_collection(data, torch.Tensor, self._strategy.all_reduce, group=group, reduce_op=reduce_op)

@@ -19,6 +19,13 @@ def passed(output: str) -> set[tuple[str, str]]:
     return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
 
 
+def assert_passed(output: str, names: list[str] | tuple[str, ...], ranks: tuple[str, ...] = ("0", "1")) -> None:
+    """Every rank in ``ranks`` printed PASS for every check in ``names``; else fail showing the output's end."""
+    found = passed(output)
+    for name in names:
+        assert {(rank, name) for rank in ranks} <= found, output[-3000:]
+
+
 def python_env(**extra: str) -> dict[str, str]:
     """The environment for a child Python: this checkout importable, one thread, no buffering."""
     env = dict(os.environ)

@@ -9,6 +9,7 @@ import os
 import sys
 
 import torch
+from check_report import report
 from torch import nn
 
 from fabriclite import Fabric
@@ -44,10 +45,6 @@ model = fabric.setup(Net())
 batch = torch.full((1, 4), float(rank + 1))
 
 
-def report(name, condition):
-    if not condition:
-        raise AssertionError(f"rank {rank}: {name} failed")
-    os.write(1, f"PASS {rank} {name}\n".encode())  # one write: ranks share the pipe
 
 
 def weight_grad():
@@ -60,18 +57,18 @@ def weight_grad():
 fabric.backward(model.training_step(batch))
 grad = weight_grad()
 gathered = fabric.all_gather(grad)
-report("training_step gradients are averaged", torch.equal(gathered[0], gathered[1]) and torch.all(grad == 1.5))
+report(rank, "training_step gradients are averaged", torch.equal(gathered[0], gathered[1]) and torch.all(grad == 1.5))
 
 model.mark_forward_method("doubled_loss")
 fabric.backward(model.doubled_loss(batch))
-report("a marked method's gradients are averaged", torch.all(weight_grad() == 3.0))
+report(rank, "a marked method's gradients are averaged", torch.all(weight_grad() == 3.0))
 
 try:
     model.unmarked_loss(batch)
     refused = ""
 except RuntimeError as error:
     refused = str(error)
-report("an unmarked method that runs the model is refused", "mark_forward_method('unmarked_loss')" in refused)
-report("a method that runs no layer works", model.count_parameters() == 4)
-report("forward is itself again", "forward" not in model.module.__dict__ and model(batch).shape == (1, 1))
+report(rank, "an unmarked method that runs the model is refused", "mark_forward_method('unmarked_loss')" in refused)
+report(rank, "a method that runs no layer works", model.count_parameters() == 4)
+report(rank, "forward is itself again", "forward" not in model.module.__dict__ and model(batch).shape == (1, 1))
 os.write(1, b"DONE\n")
