@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     consolidate.add_argument("sharded_dir", metavar="SHARDED_DIR", help="Folder of the sharded checkpoint.")
     consolidate.add_argument("out_file", metavar="OUT_FILE", help="The single checkpoint file to write.")
+    consolidate.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="Skip checking the folder's files against the checksums in its manifest.json.",
+    )
     consolidate.set_defaults(handler=_consolidate, subparser=consolidate)
 
     plot = commands.add_parser(
@@ -269,8 +275,8 @@ def _consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     from fabriclite.checkpoint import CheckpointError, consolidate
 
     try:
-        consolidate(args.sharded_dir, args.out_file)
-    except (OSError, ValueError, CheckpointError) as error:
+        consolidate(args.sharded_dir, args.out_file, verify=args.verify)
+    except CheckpointError as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
     return 0
 

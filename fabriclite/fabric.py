@@ -409,16 +409,20 @@ class Fabric:
         strict: bool = True,
         *,
         weights_only: bool = True,
+        verify: bool = True,
     ) -> dict[str, Any]:
         """Restore ``state`` in place from a checkpoint and return what it did not consume.
 
         Objects with ``load_state_dict`` are loaded in place; plain values are written back into ``state``. The
         random streams and the loss scaler saved with it are restored too. Without ``state``, returns the whole
-        checkpoint and restores nothing. Usage: ``remainder = fabric.load("last.ckpt", state)``.
+        checkpoint and restores nothing. The checksums are verified before anything is loaded (``verify=False``
+        skips that); any problem raises ``CheckpointError``. Usage: ``remainder = fabric.load("last.ckpt", state)``.
         """
         if state is not None and not isinstance(state, dict):
             raise TypeError(f"fabric.load expects state to be a dict (filled in place), got {type(state).__name__}.")
-        remainder, meta = self._strategy.load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        remainder, meta = self._strategy.load_checkpoint(
+            path, state, strict=strict, weights_only=weights_only, verify=verify
+        )
         if state is not None and meta is not None:
             checkpoint.restore_meta(meta, self._precision, self.global_rank)
         self._strategy.barrier("load")
@@ -431,12 +435,14 @@ class Fabric:
         strict: bool = True,
         *,
         weights_only: bool = True,
+        verify: bool = True,
     ) -> None:
-        """Load a plain state dict (e.g. saved with ``torch.save(model.state_dict())``) into a module or optimizer.
+        """Load a plain state dict (e.g. saved with ``torch.save(model.state_dict())``) into a module or optimizer,
+        after checking the CRC-32s ``torch.save`` stores in the file (``verify=False`` skips that).
 
         Usage: ``fabric.load_raw("weights.pt", model)``.
         """
-        checkpoint.load_raw(path, obj, strict=strict, weights_only=weights_only)
+        checkpoint.load_raw(path, obj, strict=strict, weights_only=weights_only, verify=verify)
 
     # ------------------------------------------------------------------ logging, callbacks, progress
     def log(self, name: str, value: Any, step: int | None = None) -> None:

@@ -10,6 +10,7 @@ import torch
 from helpers import SCRIPTS, passed, run_python, sigkill, start_python
 from torch import nn
 
+from fabriclite.checkpoint import CheckpointError
 from fabriclite.checkpoint import load as load_checkpoint
 from fabriclite.strategies.fsdp import FSDPStrategy, repeated_blocks
 
@@ -177,8 +178,12 @@ def test_invalid_options_say_what_is_valid(kwargs, error, match):
 
 
 def test_a_directory_without_fabriclite_structure_is_refused_by_name(tmp_path):
-    with pytest.raises(RuntimeError, match="structure.pt"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path}.*manifest.json") as caught:
         load_checkpoint(tmp_path, None)
+    assert caught.value.reason == "incomplete"
+    with pytest.raises(CheckpointError, match=f"{tmp_path}.*structure.pt") as caught:
+        load_checkpoint(tmp_path, None, verify=False)
+    assert caught.value.reason == "not a checkpoint"
 
 
 def test_compile_under_fsdp_compiles_each_block_then_the_root_without_graph_breaks():

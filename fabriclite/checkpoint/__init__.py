@@ -4,7 +4,9 @@ its own shards; see ``sharded``), each replacing its target atomically, so a cra
 checkpoint loadable. Plus what ``fabric.save`` adds to the user's state: every rank's global random streams (so a
 resumed run draws exactly the numbers the uninterrupted run would have drawn) and the loss scaler.
 
-Both formats load into any number of processes, with or without FSDP.
+Both formats load into any number of processes, with or without FSDP; both carry checksums that loading verifies
+(``integrity``); a sharded folder is read without unpickling anything untrusted (``safe_dcp``); every failure is a
+``CheckpointError`` saying what is wrong, raised on every rank (``errors``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import numpy as np
 import torch
 
 from fabriclite._collections import map_with_path
+from fabriclite.callbacks import accepted_kwargs
+from fabriclite.checkpoint.errors import CheckpointError, CheckpointNotFoundError, agreed
 from fabriclite.checkpoint.files import (
-    CheckpointError,
     CheckpointIO,
     TorchCheckpointIO,
     atomic_save,
+    partial_path,
+    remove,
     replace,
     safe_load,
 )
@@ -33,6 +38,7 @@ __all__ = [
     "META_KEY",
     "CheckpointError",
     "CheckpointIO",
+    "CheckpointNotFoundError",
     "TorchCheckpointIO",
     "atomic_save",
     "consolidate",
@@ -160,9 +166,7 @@ def save(path: str | os.PathLike, checkpoint: dict[str, Any], strategy: Any, sha
         save_sharded(checkpoint, path, strategy)
     else:
         full = map_with_path(checkpoint, torch.Tensor, lambda _, t: _gathered(t, keep=strategy.is_global_zero))
-        if strategy.is_global_zero:
-            _save_file(full, path, strategy.checkpoint_io)
-    strategy.barrier("save")
+        agreed(strategy, lambda: _save_file(full, path, strategy.checkpoint_io), path)  # a failure raises on all ranks
 
 
 def load(
@@ -171,16 +175,22 @@ def load(
     strict: bool = True,
     weights_only: bool = True,
     checkpoint_io: CheckpointIO | None = None,
+    verify: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Load a checkpoint file or sharded folder, saved by any number of ranks, into ``state`` in place; return (what
-    ``state`` did not consume, fabriclite's meta). Without ``state``, return the whole checkpoint.
+    ``state`` did not consume, fabriclite's meta). Without ``state``, return the whole checkpoint. ``verify``
+    checks the checksums before anything is loaded into ``state``.
 
     Usage: ``remainder, meta = load("last.ckpt", {"model": model})``.
     """
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(path)
     if Path(path).is_dir():
-        checkpoint = load_sharded(Path(path), state, weights_only)
+        checkpoint = load_sharded(Path(path), state, weights_only, verify)
     else:
-        checkpoint = (checkpoint_io or TorchCheckpointIO()).load_checkpoint(path, weights_only=weights_only)
+        io = checkpoint_io or TorchCheckpointIO()
+        options = accepted_kwargs(io.load_checkpoint, {"weights_only": weights_only, "verify": verify})
+        checkpoint = io.load_checkpoint(path, **options)
         if state is not None and "torch.distributed.tensor" in sys.modules:  # no DTensor can exist otherwise
             # Each rank cuts its own slice out of the full tensors: no communication.
             live = LiveState(state, templates_only=True)
@@ -191,20 +201,30 @@ def load(
     return checkpoint_into_state(checkpoint, state, strict, path), meta
 
 
-def consolidate(sharded_dir: str | os.PathLike, out_file: str | os.PathLike) -> None:
+def consolidate(sharded_dir: str | os.PathLike, out_file: str | os.PathLike, verify: bool = True) -> None:
     """Turn a sharded checkpoint folder into one file that ``torch.load`` reads, in the form a one-file checkpoint
     has (plain tensors; optimizer states keyed by parameter index, as ``optimizer.load_state_dict`` wants).
 
     Runs in one process, without a process group. Usage: ``consolidate("last.ckpt", "last.pt")`` or
     ``fabriclite consolidate last.ckpt last.pt``.
     """
-    checkpoint = load_sharded(Path(sharded_dir), None, weights_only=True)
+    sharded_dir = Path(sharded_dir)
+    if not sharded_dir.is_dir():
+        if not sharded_dir.exists():
+            raise CheckpointNotFoundError(sharded_dir)
+        raise CheckpointError(
+            sharded_dir, "not a checkpoint", f"{str(sharded_dir)!r} is a file; consolidate takes a sharded folder."
+        )
+    checkpoint = load_sharded(sharded_dir, None, weights_only=True, verify=verify)
     atomic_save(checkpoint, out_file)
 
 
-def load_raw(path: str | os.PathLike, obj: Any, strict: bool = True, weights_only: bool = True) -> None:
-    """Load a plain state dict (e.g. ``torch.save(model.state_dict())``) into a module or an optimizer."""
-    state_dict = safe_load(path, weights_only=weights_only)
+def load_raw(
+    path: str | os.PathLike, obj: Any, strict: bool = True, weights_only: bool = True, verify: bool = True
+) -> None:
+    """Load a plain state dict (e.g. ``torch.save(model.state_dict())``) into a module or an optimizer; the CRC-32s
+    that ``torch.save`` stores in the file are checked first (``verify``)."""
+    state_dict = safe_load(path, weights_only=weights_only, verify=verify)
     if isinstance(obj, torch.nn.Module):
         obj.load_state_dict(state_dict, strict=strict)
     elif isinstance(obj, torch.optim.Optimizer):
@@ -223,6 +243,10 @@ def _save_file(checkpoint: dict[str, Any], path: Path, checkpoint_io: Checkpoint
     if not path.is_dir():
         checkpoint_io.save_checkpoint(checkpoint, path)
         return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # a sharded checkpoint is there: replace it whole
-    checkpoint_io.save_checkpoint(checkpoint, tmp)
-    replace(tmp, path)
+    tmp = partial_path(path)  # a sharded checkpoint is there: replace it whole
+    try:
+        checkpoint_io.save_checkpoint(checkpoint, tmp)
+        replace(tmp, path)
+    except BaseException:
+        remove(tmp)
+        raise

@@ -1,49 +1,113 @@
 """Checkpoint files that never lose work: written atomically (a crash mid-write leaves the previous file or folder
-whole), read safely (``weights_only`` by default, one clear error for a missing, truncated or corrupt file), and
-the ``CheckpointIO`` plugin interface through which strategies write and read single files.
+whole, and the next save removes what it left), with the modes the umask gives, read safely (checksums verified,
+``weights_only`` by default, one ``CheckpointError`` for whatever is wrong), and the ``CheckpointIO`` plugin
+interface through which strategies write and read single files.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 
+from fabriclite.checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    first_line,
+    read_failure,
+    save_failure,
+)
+from fabriclite.checkpoint.integrity import verify_file
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file that exists but cannot be read: truncated, corrupt, or not a checkpoint."""
+
+# The name of a save in progress: beside its target, hidden, saying which process on which machine writes it, so a
+# later save can tell the leftovers of a killed save (its process is gone) from a save still running.
+_HOST = socket.gethostname().replace(os.sep, "_") or "localhost"
+_PARTIAL = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+(\.old)?")
 
 
-def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """Write ``obj`` with ``torch.save`` so that ``path`` holds either the old file or the complete new one.
+def partial_path(target: Path) -> Path:
+    """A fresh name beside ``target`` for a file or folder being written (``remove_stale_partials`` knows it)."""
+    return target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
 
-    The bytes go to a temporary file in the same folder, are flushed and fsynced, and the file is renamed over
-    ``path`` (atomic on POSIX and Windows). A crash or SIGKILL mid-write leaves the previous checkpoint intact.
-    Usage: ``atomic_save({"model": model.state_dict()}, "last.ckpt")``.
-    """
+
+def remove_stale_partials(target: Path) -> None:
+    """Remove what killed saves to ``target`` left beside it: partial files and folders written by a process of
+    this machine that no longer runs. Partials of live processes, or of other machines, are left alone."""
+    prefix = f".{target.name}"
+    try:
+        entries = [entry for entry in target.parent.iterdir() if entry.name.startswith(prefix + ".tmp-")]
+    except OSError:
+        return
+    for entry in entries:
+        match = _PARTIAL.fullmatch(entry.name[len(prefix) :])
+        if match and match["host"] == _HOST and not _running(int(match["pid"])):
+            remove(entry)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write(file)`` on a new file beside ``path`` and put it at ``path`` only once complete and fsynced, so
+    ``path`` holds either the old file or the whole new one, even after a crash or SIGKILL mid-write. The file
+    follows the umask; leftovers of killed saves to ``path`` are removed first. Any failure raises
+    ``CheckpointError`` (disk full, permission, ...) and leaves no partial file."""
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"Cannot save a checkpoint to {str(path)!r}: it is a directory; pass a file path.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        raise CheckpointError(
+            path, "unwritable", f"Cannot save a checkpoint file to {str(path)!r}: it is a directory; pass a file path."
+        )
+    tmp = partial_path(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(path)
+        with open(tmp, "xb") as f:  # open() applies the umask, as torch.save does
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    except BaseException as error:
+        failure = save_failure(path, error) if isinstance(error, Exception) else None  # while the disk is still full
+        tmp.unlink(missing_ok=True)
+        if failure is None:
+            raise
+        raise failure from error
     fsync_dir(path.parent)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """Write ``obj`` with ``torch.save`` through ``atomic_write``: ``path`` holds the old file or the whole new one.
+
+    Every record of the file carries torch's CRC-32, which ``safe_load`` checks.
+    Usage: ``atomic_save({"model": model.state_dict()}, "last.ckpt")``.
+    """
+    from torch.utils.serialization import config
+
+    def write(f: BinaryIO) -> None:
+        keep = config.save.compute_crc32
+        config.save.compute_crc32 = True  # the checksums verify_file checks; on by default in torch
+        try:
+            torch.save(obj, f)
+        finally:
+            config.save.compute_crc32 = keep
+
+    atomic_write(path, write)
 
 
 def fsync_dir(folder: Path) -> None:
@@ -60,30 +124,62 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def safe_load(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True) -> Any:
-    """Load a file written by ``torch.save``; a missing, truncated or corrupt file raises one clear error naming it.
+def safe_load(
+    path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True, verify: bool = True
+) -> Any:
+    """Load a file written by ``torch.save``; any problem raises one ``CheckpointError`` naming the file and saying
+    what is wrong (missing, truncated, corrupt, unsafe, not a checkpoint).
 
-    ``weights_only=True`` (the default) refuses to run code from the file; pass ``False`` only for trusted files.
-    Usage: ``checkpoint = safe_load("last.ckpt")``.
+    ``verify=True`` (the default) checks every record against its stored CRC-32, on other threads while torch
+    reads, and raises before anything is returned. ``weights_only=True`` (the default) refuses to run code from the
+    file; pass ``False`` only for trusted files. Usage: ``checkpoint = safe_load("last.ckpt")``.
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"Checkpoint file {str(path)!r} does not exist.")
+        raise CheckpointNotFoundError(path)
     if path.is_dir():
-        raise CheckpointError(f"Checkpoint path {str(path)!r} is a directory, expected a file written by fabric.save.")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except Exception as err:
-        text = str(err)
-        if weights_only and ("Weights only load failed" in text or "weights_only" in text):
-            raise CheckpointError(
-                f"Checkpoint {str(path)!r} holds objects that weights_only loading refuses. If you trust this file, "
-                f"load it with weights_only=False. Original error: {text.splitlines()[0]}"
-            ) from err
         raise CheckpointError(
-            f"Checkpoint {str(path)!r} could not be read: it is truncated, corrupt or not a torch checkpoint "
-            f"({type(err).__name__}: {text.splitlines()[0] if text else ''})."
-        ) from err
+            path,
+            "not a checkpoint",
+            f"Checkpoint path {str(path)!r} is a directory, expected a file written by fabric.save.",
+        )
+    check = _in_background(verify_file, path) if verify else None
+    try:
+        result = torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as error:
+        if check is not None:
+            check.result()  # damage found by the checksums explains the failure best
+        raise _load_failure(path, error, weights_only) from error
+    finally:
+        if check is not None:
+            check.result()
+    return result
+
+
+def _in_background(fn: Callable, *args: Any) -> Future:
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)  # the thread ends with the task
+    return future
+
+
+def _load_failure(path: Path, error: Exception, weights_only: bool) -> CheckpointError:
+    text = str(error)
+    if weights_only and ("Weights only load failed" in text or "weights_only" in text):
+        return CheckpointError(
+            path,
+            "unsafe",
+            f"Checkpoint {str(path)!r} holds objects that weights_only loading refuses. If you trust this file, "
+            f"load it with weights_only=False. Original error: {text.splitlines()[0]}",
+        )
+    if isinstance(error, OSError):
+        return read_failure(path, error)
+    return CheckpointError(
+        path,
+        "not a checkpoint",
+        f"Checkpoint {str(path)!r} could not be read: it is truncated, corrupt or not a torch checkpoint "
+        f"({first_line(error)}).",
+    )
 
 
 class CheckpointIO:
@@ -94,8 +190,10 @@ class CheckpointIO:
         raise NotImplementedError
 
     def load_checkpoint(
-        self, path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True
+        self, path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True, verify: bool = True
     ) -> dict[str, Any]:
+        """Read the checkpoint at ``path``; ``verify``: check its checksums, if the format has them (a plugin
+        whose method lacks this argument is called without it)."""
         raise NotImplementedError
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
@@ -117,12 +215,14 @@ class TorchCheckpointIO(CheckpointIO):
         atomic_save(checkpoint, path)
 
     def load_checkpoint(
-        self, path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True
+        self, path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True, verify: bool = True
     ) -> dict[str, Any]:
-        checkpoint = safe_load(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = safe_load(path, map_location=map_location, weights_only=weights_only, verify=verify)
         if not isinstance(checkpoint, dict):
             raise CheckpointError(
-                f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes."
+                path,
+                "not a checkpoint",
+                f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes.",
             )
         return checkpoint
 

@@ -6,7 +6,7 @@ sharded) tensors of the objects being loaded, each rank reading only its slices.
 
 from __future__ import annotations
 
-import tempfile
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,15 +14,36 @@ from typing import Any, Mapping
 import torch
 
 from fabriclite._collections import map_with_path
-from fabriclite.checkpoint.files import CheckpointError, atomic_save, fsync_dir, remove, replace, safe_load
+from fabriclite.checkpoint.errors import (
+    CheckpointError,
+    agreed,
+    dcp_failures,
+    first_line,
+    is_dcp_failure,
+    read_failure,
+    save_failure,
+)
+from fabriclite.checkpoint.files import (
+    atomic_save,
+    atomic_write,
+    fsync_dir,
+    partial_path,
+    remove,
+    remove_stale_partials,
+    replace,
+    safe_load,
+)
+from fabriclite.checkpoint.integrity import MANIFEST_FILE, digest, manifest_bytes, read_manifest, verify_folder
 
 # The file beside DCP's shards that holds a sharded checkpoint's structure (tensors replaced by meta placeholders).
 STRUCTURE_FILE = "structure.pt"
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
-    """Every rank writes its shards of ``checkpoint`` into a new folder beside ``path``, which then replaces ``path``
-    atomically; ``strategy`` gives the rank and the collectives (``broadcast``, ``barrier``)."""
+    """Every rank writes its shards of ``checkpoint`` into a new folder beside ``path``; rank 0 writes the manifest
+    of every file's checksum last, and the folder replaces ``path`` atomically. ``strategy`` gives the rank and the
+    collectives (``broadcast``, ``barrier``, ``all_gather_object``). Any failure raises ``CheckpointError`` on every
+    rank and leaves neither a partial folder nor a changed ``path``."""
     import torch.distributed.checkpoint as dcp
 
     tensors: dict[str, torch.Tensor] = {}
@@ -32,19 +53,54 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
     structure = map_with_path(checkpoint, torch.Tensor, placeholder)
-    tmp = None
-    if strategy.is_global_zero:
+
+    def start() -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a save that was killed
-            remove(stale)
-        tmp = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-        atomic_save(structure, Path(tmp) / STRUCTURE_FILE)
-    tmp = strategy.broadcast(tmp)
-    dcp.save(tensors, checkpoint_id=tmp)  # every rank writes its own shards; returns once the metadata is written
-    strategy.barrier("save")
-    if strategy.is_global_zero:
-        fsync_dir(Path(tmp))
-        replace(Path(tmp), path)
+        remove_stale_partials(path)
+        folder = partial_path(path)
+        os.mkdir(folder)  # follows the umask, as the files DCP writes into it do
+        try:
+            atomic_save(structure, folder / STRUCTURE_FILE)
+        except BaseException:
+            remove(folder)
+            raise
+        return str(folder)
+
+    tmp = Path(agreed(strategy, start, path))
+    try:
+        # Every rank writes its own shards; DCP raises on every rank if any failed, and returns once .metadata is.
+        dcp.save(tensors, checkpoint_id=tmp)
+        mine: Any = digest(tmp, _files_of_rank(tmp, strategy.global_rank))
+    except BaseException as error:
+        if not (isinstance(error, Exception) or is_dcp_failure(error)):
+            raise
+        mine = save_failure(path, error)
+    parts = strategy.all_gather_object(mine)
+    failed = next((part for part in parts if isinstance(part, CheckpointError)), None)
+    if failed is not None:
+        if strategy.is_global_zero:
+            remove(tmp)
+        raise failed
+    digests = {name: entry for part in parts for name, entry in part.items()}
+
+    def finish() -> None:
+        try:
+            atomic_write(tmp / MANIFEST_FILE, lambda f: f.write(manifest_bytes(digests)))
+            fsync_dir(tmp)
+            replace(tmp, path)
+        except BaseException:
+            remove(tmp)
+            raise
+
+    agreed(strategy, finish, path)
+
+
+def _files_of_rank(folder: Path, rank: int) -> list[str]:
+    # DCP names rank r's shard files __r_*; rank 0 also takes the rest (.metadata, structure.pt).
+    names = sorted(entry.name for entry in folder.iterdir() if entry.is_file())
+    if rank == 0:
+        return [name for name in names if not name.startswith("__") or name.startswith("__0_")]
+    return [name for name in names if name.startswith(f"__{rank}_")]
 
 
 def _tensor_key(index: int, path: tuple) -> str:
@@ -52,19 +108,29 @@ def _tensor_key(index: int, path: tuple) -> str:
     return f"{index}:" + "/".join(str(p) for p in path)
 
 
-def load_sharded(path: Path, state: dict[str, Any] | None, weights_only: bool) -> dict[str, Any]:
+def load_sharded(path: Path, state: dict[str, Any] | None, weights_only: bool, verify: bool = True) -> dict[str, Any]:
     """Read a sharded folder, into the live shards of ``state`` where there are some (each rank reads only its
-    slices), else into full tensors; works in any number of processes, also without a process group."""
+    slices), else into full tensors; works in any number of processes, also without a process group.
+
+    ``verify`` checks every file against the manifest first (each rank a share of the files), so nothing is loaded
+    from a damaged folder. ``weights_only`` (always honoured for DCP's own files) governs ``structure.pt``."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from fabriclite.checkpoint.safe_dcp import SafeReader
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if verify:
+        _verify_shared(path, distributed)
     structure_file = path / STRUCTURE_FILE
     if not structure_file.exists():
         raise CheckpointError(
-            f"Checkpoint directory {str(path)!r} has no {STRUCTURE_FILE}; it was not written by fabriclite's "
-            "FSDPStrategy (or the save was interrupted before finishing)."
+            path,
+            "not a checkpoint",
+            f"Checkpoint folder {str(path)!r} has no {STRUCTURE_FILE}; it was not written by fabriclite's "
+            "FSDPStrategy (or the save was interrupted before finishing).",
         )
-    structure = safe_load(structure_file, weights_only=weights_only)
+    structure = safe_load(structure_file, weights_only=weights_only, verify=not verify)  # verified with the folder
     live = LiveState(state)
     targets: dict[str, torch.Tensor] = {}
 
@@ -78,17 +144,56 @@ def load_sharded(path: Path, state: dict[str, Any] | None, weights_only: bool) -
         return tensor
 
     checkpoint = map_with_path(structure, torch.Tensor, target)
-    distributed = dist.is_available() and dist.is_initialized()
+    reader = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(targets, checkpoint_id=str(path), no_dist=not distributed)
-    except Exception as err:
-        raise CheckpointError(
-            f"Checkpoint directory {str(path)!r} could not be read: it is incomplete or corrupt ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''})."
-        ) from err
+            reader = SafeReader(path)
+            reader.read_metadata()  # refuse a bad .metadata here, before DCP falls back to other files and logs
+            dcp.load(targets, storage_reader=reader, no_dist=not distributed)
+    except CheckpointError:
+        raise
+    except BaseException as error:
+        if not (isinstance(error, Exception) or is_dcp_failure(error)):
+            raise
+        raise ((reader and reader.refusal) or _sharded_load_failure(path, error)) from error
     return checkpoint
+
+
+def _verify_shared(path: Path, distributed: bool) -> None:
+    # Each rank checks a share of the files; all learn the first problem any rank found, and raise it together.
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    problem = None
+    try:
+        files = read_manifest(path)
+        verify_folder(path, sorted(files)[rank::world], files)
+    except CheckpointError as error:
+        problem = error
+    except OSError as error:
+        problem = read_failure(path, error)
+    problems = [problem]
+    if distributed:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+    found = next((p for p in problems if p is not None), None)
+    if found is not None:
+        raise found
+
+
+def _sharded_load_failure(path: Path, error: BaseException) -> CheckpointError:
+    inner = dcp_failures(error) or [error]
+    for failure in inner:
+        if isinstance(failure, CheckpointError):
+            return failure
+    if any(isinstance(e, FileNotFoundError) for e in inner):
+        reason, what = "incomplete", "a file it lists is missing"
+    else:
+        reason, what = "corrupt", "it is incomplete or corrupt"
+    return CheckpointError(
+        path, reason, f"Checkpoint folder {str(path)!r} could not be read: {what} ({first_line(inner[0])})."
+    )
 
 
 class LiveState:

@@ -163,11 +163,16 @@ class Strategy:
         checkpoint.save(path, checkpoint.to_checkpoint(state, meta, filter), self, sharded=False)
 
     def load_checkpoint(
-        self, path: Any, state: dict[str, Any] | None, strict: bool = True, weights_only: bool = True
+        self,
+        path: Any,
+        state: dict[str, Any] | None,
+        strict: bool = True,
+        weights_only: bool = True,
+        verify: bool = True,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Load a checkpoint file or sharded folder into ``state`` in place; return (what ``state`` did not consume,
         fabriclite's meta)."""
-        return checkpoint.load(path, state, strict, weights_only, self.checkpoint_io)
+        return checkpoint.load(path, state, strict, weights_only, self.checkpoint_io, verify)
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Iterator[None]:
