@@ -98,7 +98,7 @@ class SubprocessLauncher:
         return function(*args, **kwargs)
 
     def _start(self) -> None:
-        command = _script_command()
+        command = _script_command() if self.processes > 1 else []  # one process runs the script it is in
         port = free_port()
         for rank in range(1, self.processes):
             env = {

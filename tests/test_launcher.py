@@ -34,6 +34,17 @@ def test_subprocess_runs_the_script_again_with_the_rank_in_the_environment():
     assert_passed(out, ["launching twice is refused"], ranks=("0",))
 
 
+def test_one_process_needs_no_script_to_run_again_so_python_c_can_launch():
+    code = (
+        "from fabriclite import Fabric\n"
+        "fabric = Fabric(accelerator='cpu', devices=1, strategy='ddp')\n"
+        "fabric.launch()\n"
+        "print('launched', fabric.world_size, fabric.global_rank)\n"
+    )
+    result = run_python("-c", code, timeout=120)
+    assert "launched 1 0" in result.stdout
+
+
 def test_spawn_runs_the_function_in_new_processes_and_returns_rank_zeros_result():
     out = run_python(str(SCRIPTS / "launcher_checks.py"), "spawn", timeout=180).stdout
     assert_passed(out, ["the rank is in the environment", "the arguments arrive"])
