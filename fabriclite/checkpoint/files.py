@@ -25,7 +25,7 @@ from fabriclite.checkpoint.errors import (
     read_failure,
     save_failure,
 )
-from fabriclite.checkpoint.integrity import verify_file
+from fabriclite.checkpoint.integrity import fill_in_crcs, verify_file
 
 
 # The name of a save in progress: beside its target, hidden, saying which process on which machine writes it, so a
@@ -94,18 +94,20 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     """Write ``obj`` with ``torch.save`` through ``atomic_write``: ``path`` holds the old file or the whole new one.
 
-    Every record of the file carries torch's CRC-32, which ``safe_load`` checks.
+    Every record of the file carries its CRC-32, where torch stores it, which ``safe_load`` checks.
     Usage: ``atomic_save({"model": model.state_dict()}, "last.ckpt")``.
     """
     from torch.utils.serialization import config
 
     def write(f: BinaryIO) -> None:
         keep = config.save.compute_crc32
-        config.save.compute_crc32 = True  # the checksums verify_file checks; on by default in torch
+        config.save.compute_crc32 = False  # fill_in_crcs computes them faster, on several threads
         try:
             torch.save(obj, f)
         finally:
             config.save.compute_crc32 = keep
+        f.flush()
+        fill_in_crcs(Path(f.name))
 
     atomic_write(path, write)
 

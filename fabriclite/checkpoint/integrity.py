@@ -124,6 +124,38 @@ def verify_file(path: Path) -> None:
             )
 
 
+def fill_in_crcs(path: Path) -> None:
+    """Write the CRC-32 of every record into a zip file that ``torch.save`` wrote with its CRC-32s turned off:
+    computed in parallel chunks instead of torch's one sequential pass (a third of a save's time), then stored where
+    torch would have stored them (each record's data descriptor and its central directory entry)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records, directory = archive.infolist(), archive.start_dir
+        if any(record.compress_type != zipfile.ZIP_STORED for record in records):
+            raise ValueError(f"{path}: torch.save wrote a compressed record, which fill_in_crcs cannot handle")
+        starts = [_data_offset(fd, record) for record in records]
+        crcs = crc32_of_ranges(path, [(start, record.file_size) for start, record in zip(starts, records)])
+        for start, record, crc in zip(starts, records, crcs):
+            value = struct.pack("<I", crc)
+            if record.flag_bits & 0x08:  # a data descriptor follows the data: [signature] crc, sizes
+                end = start + record.compress_size
+                descriptor = end + 4 if os.pread(fd, 4, end) == b"PK\x07\x08" else end
+                os.pwrite(fd, value, descriptor)
+            else:
+                os.pwrite(fd, value, record.header_offset + 14)
+        position = directory
+        for record, crc in zip(records, crcs):
+            entry = os.pread(fd, 46, position)
+            if entry[:4] != b"PK\x01\x02":
+                raise zipfile.BadZipFile(f"{path}: no central directory entry for {record.filename!r}")
+            os.pwrite(fd, struct.pack("<I", crc), position + 16)
+            name_length, extra_length, comment_length = struct.unpack("<HHH", entry[28:34])
+            position += 46 + name_length + extra_length + comment_length
+    finally:
+        os.close(fd)
+
+
 def _data_offset(fd: int, record: zipfile.ZipInfo) -> int:
     # The local header (30 bytes, then the name and the extra field) precedes the data.
     header = os.pread(fd, 30, record.header_offset)
