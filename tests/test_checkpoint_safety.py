@@ -376,3 +376,40 @@ def _sizes(folder):
         except FileNotFoundError:  # renamed into place meanwhile
             pass
     return found
+
+
+# ---------------------------------------------------------------------- CheckpointIO plugins
+class LightningStyleIO:
+    """A plugin written against Lightning's signature (no ``verify``), storing checkpoints in a dict."""
+
+    def __init__(self):
+        self.files = {}
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.files[str(path)] = checkpoint
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        if str(path) not in self.files:
+            raise FileNotFoundError(path)
+        if self.files[str(path)] == "broken":
+            raise ValueError("bad header")
+        return self.files[str(path)]
+
+    def remove_checkpoint(self, path):
+        self.files.pop(str(path), None)
+
+
+def test_a_plugin_without_verify_is_called_without_it_and_its_errors_become_checkpoint_errors(tmp_path):
+    from fabriclite.checkpoint import CheckpointIO, CheckpointNotFoundError
+
+    plugin = type("Plugin", (LightningStyleIO, CheckpointIO), {})()
+    fabric = Fabric(accelerator="cpu", plugins=[plugin])
+    fabric.save(tmp_path / "a.ckpt", {"step": 3})
+    state = {"step": 0}
+    fabric.load(tmp_path / "a.ckpt", state)
+    assert state["step"] == 3
+    with pytest.raises(CheckpointNotFoundError, match="b.ckpt") as caught:
+        fabric.load(tmp_path / "b.ckpt", state)
+    assert isinstance(caught.value, FileNotFoundError) and caught.value.reason == "missing"
+    plugin.files[str(tmp_path / "c.ckpt")] = "broken"
+    raises_checkpoint_error("unreadable", tmp_path / "c.ckpt", lambda: fabric.load(tmp_path / "c.ckpt", state))

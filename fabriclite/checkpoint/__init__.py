@@ -22,7 +22,7 @@ import torch
 
 from fabriclite._collections import map_with_path
 from fabriclite.callbacks import accepted_kwargs
-from fabriclite.checkpoint.errors import CheckpointError, CheckpointNotFoundError, agreed
+from fabriclite.checkpoint.errors import CheckpointError, CheckpointNotFoundError, agreed, read_failure
 from fabriclite.checkpoint.files import (
     CheckpointIO,
     TorchCheckpointIO,
@@ -183,14 +183,19 @@ def load(
 
     Usage: ``remainder, meta = load("last.ckpt", {"model": model})``.
     """
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(path)
     if Path(path).is_dir():
         checkpoint = load_sharded(Path(path), state, weights_only, verify)
     else:
         io = checkpoint_io or TorchCheckpointIO()
         options = accepted_kwargs(io.load_checkpoint, {"weights_only": weights_only, "verify": verify})
-        checkpoint = io.load_checkpoint(path, **options)
+        try:
+            checkpoint = io.load_checkpoint(path, **options)
+        except CheckpointError:
+            raise
+        except FileNotFoundError as error:  # from a CheckpointIO plugin: still the one error type
+            raise CheckpointNotFoundError(path) from error
+        except Exception as error:
+            raise read_failure(Path(str(path)), error) from error
         if state is not None and "torch.distributed.tensor" in sys.modules:  # no DTensor can exist otherwise
             # Each rank cuts its own slice out of the full tensors: no communication.
             live = LiveState(state, templates_only=True)

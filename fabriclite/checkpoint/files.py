@@ -85,7 +85,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     except BaseException as error:
         failure = save_failure(path, error) if isinstance(error, Exception) else None  # while the disk is still full
         tmp.unlink(missing_ok=True)
-        if failure is None:
+        if failure is None or failure is error:
             raise
         raise failure from error
     fsync_dir(path.parent)
@@ -145,7 +145,7 @@ def safe_load(
             "not a checkpoint",
             f"Checkpoint path {str(path)!r} is a directory, expected a file written by fabric.save.",
         )
-    check = _in_background(verify_file, path) if verify else None
+    check = _in_background(_verify, path) if verify else None
     try:
         result = torch.load(path, map_location=map_location, weights_only=weights_only)
     except Exception as error:
@@ -156,6 +156,13 @@ def safe_load(
         if check is not None:
             check.result()
     return result
+
+
+def _verify(path: Path) -> None:
+    try:
+        verify_file(path)
+    except OSError as error:
+        raise read_failure(path, error) from error
 
 
 def _in_background(fn: Callable, *args: Any) -> Future:

@@ -7,6 +7,7 @@ sharded) tensors of the objects being loaded, each rank reading only its slices.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -70,7 +71,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
     try:
         # Every rank writes its own shards; DCP raises on every rank if any failed, and returns once .metadata is.
         dcp.save(tensors, checkpoint_id=tmp)
-        mine: Any = digest(tmp, _files_of_rank(tmp, strategy.global_rank))
+        mine: Any = digest(tmp, _files_of_rank(tmp, strategy.global_rank, strategy.world_size))
     except BaseException as error:
         if not (isinstance(error, Exception) or is_dcp_failure(error)):
             raise
@@ -95,12 +96,13 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
     agreed(strategy, finish, path)
 
 
-def _files_of_rank(folder: Path, rank: int) -> list[str]:
-    # DCP names rank r's shard files __r_*; rank 0 also takes the rest (.metadata, structure.pt).
-    names = sorted(entry.name for entry in folder.iterdir() if entry.is_file())
-    if rank == 0:
-        return [name for name in names if not name.startswith("__") or name.startswith("__0_")]
-    return [name for name in names if name.startswith(f"__{rank}_")]
+def _files_of_rank(folder: Path, rank: int, world_size: int) -> list[str]:
+    # DCP names rank r's shard files __r_*; rank 0 takes the rest too (.metadata, structure.pt, anything else).
+    def owner(name: str) -> int:
+        match = re.match(r"__(\d+)_", name)
+        return int(match[1]) if match and int(match[1]) < world_size else 0
+
+    return sorted(entry.name for entry in folder.iterdir() if entry.is_file() and owner(entry.name) == rank)
 
 
 def _tensor_key(index: int, path: tuple) -> str:
