@@ -81,19 +81,12 @@ def verify_file(path: Path) -> None:
         if f.read(4) != _ZIP_MAGIC:
             return
     try:
-        with zipfile.ZipFile(path) as archive:
-            records = archive.infolist()
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                starts = [_data_offset(fd, record) for record in records]
-            finally:
-                os.close(fd)
-            stored = [record for record in records if record.compress_type == zipfile.ZIP_STORED]
-            for record in records:
-                if record.compress_type != zipfile.ZIP_STORED:  # not written by torch; zipfile checks the CRC itself
-                    with archive.open(record) as member:
-                        while member.read(_CHUNK):
-                            pass
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            # torch stores every record uncompressed; a compressed one (not torch's) is left to torch.load.
+            stored = [(r, start) for r, start in _records(path, fd)[0] if r.compress_type == zipfile.ZIP_STORED]
+        finally:
+            os.close(fd)
     except (zipfile.BadZipFile, EOFError, struct.error) as error:
         size = path.stat().st_size
         raise CheckpointError(
@@ -102,12 +95,11 @@ def verify_file(path: Path) -> None:
             f"Checkpoint {str(path)!r} is truncated or damaged: its zip directory is unreadable ({size} bytes; "
             f"{first_line(error)}). It was cut off while copying or written by a save that did not finish.",
         ) from error
-    offsets = {record.filename: start for record, start in zip(records, starts)}
     try:
-        crcs = crc32_of_ranges(path, [(offsets[record.filename], record.file_size) for record in stored])
+        crcs = crc32_of_ranges(path, [(start, record.file_size) for record, start in stored])
     except EOFError as error:
         raise CheckpointError(path, "truncated", f"Checkpoint {str(path)!r} is truncated: {error}.") from error
-    for record, crc in zip(stored, crcs):
+    for (record, _), crc in zip(stored, crcs):
         if crc != record.CRC:
             hint = (
                 " It may also have been written with torch's CRC-32 turned off "
@@ -130,13 +122,11 @@ def fill_in_crcs(path: Path) -> None:
     torch would have stored them (each record's data descriptor and its central directory entry)."""
     fd = os.open(path, os.O_RDWR)
     try:
-        with zipfile.ZipFile(path) as archive:
-            records, directory = archive.infolist(), archive.start_dir
-        if any(record.compress_type != zipfile.ZIP_STORED for record in records):
+        located, directory = _records(path, fd)
+        if any(record.compress_type != zipfile.ZIP_STORED for record, _ in located):
             raise ValueError(f"{path}: torch.save wrote a compressed record, which fill_in_crcs cannot handle")
-        starts = [_data_offset(fd, record) for record in records]
-        crcs = crc32_of_ranges(path, [(start, record.file_size) for start, record in zip(starts, records)])
-        for start, record, crc in zip(starts, records, crcs):
+        crcs = crc32_of_ranges(path, [(start, record.file_size) for record, start in located])
+        for (record, start), crc in zip(located, crcs):
             value = struct.pack("<I", crc)
             if record.flag_bits & 0x08:  # a data descriptor follows the data: [signature] crc, sizes
                 end = start + record.compress_size
@@ -145,7 +135,7 @@ def fill_in_crcs(path: Path) -> None:
             else:
                 os.pwrite(fd, value, record.header_offset + 14)
         position = directory
-        for record, crc in zip(records, crcs):
+        for (record, _), crc in zip(located, crcs):
             entry = os.pread(fd, 46, position)
             if entry[:4] != b"PK\x01\x02":
                 raise zipfile.BadZipFile(f"{path}: no central directory entry for {record.filename!r}")
@@ -156,13 +146,19 @@ def fill_in_crcs(path: Path) -> None:
         os.close(fd)
 
 
-def _data_offset(fd: int, record: zipfile.ZipInfo) -> int:
-    # The local header (30 bytes, then the name and the extra field) precedes the data.
-    header = os.pread(fd, 30, record.header_offset)
-    if len(header) != 30 or header[:4] != _ZIP_MAGIC:
-        raise zipfile.BadZipFile(f"no local header for {record.filename!r} at byte {record.header_offset}")
-    name_length, extra_length = struct.unpack("<HH", header[26:30])
-    return record.header_offset + 30 + name_length + extra_length
+def _records(path: Path, fd: int) -> tuple[list[tuple[zipfile.ZipInfo, int]], int]:
+    """Every record of the zip file at ``path`` (open as ``fd``) with the offset of its data, and the offset of the
+    central directory. The data follows the record's local header: 30 bytes, the name, the extra field."""
+    with zipfile.ZipFile(path) as archive:
+        records, directory = archive.infolist(), archive.start_dir
+    located = []
+    for record in records:
+        header = os.pread(fd, 30, record.header_offset)
+        if len(header) != 30 or header[:4] != _ZIP_MAGIC:
+            raise zipfile.BadZipFile(f"no local header for {record.filename!r} at byte {record.header_offset}")
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        located.append((record, record.header_offset + 30 + name_length + extra_length))
+    return located, directory
 
 
 # ---------------------------------------------------------------------- sharded folders
