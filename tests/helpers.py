@@ -7,6 +7,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,3 +78,41 @@ def sigkill(child: subprocess.Popen) -> None:
     if child.poll() is None:
         child.send_signal(signal.SIGKILL)
     child.wait(timeout=30)
+
+
+def read_until(child: subprocess.Popen, text: str, timeout: float) -> str:
+    """The output of a ``start_python`` child up to and including the first line containing ``text``; fails the
+    test (showing the output) when ``timeout`` seconds pass first or the child ends without printing it."""
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        for line in child.stdout:
+            lines.append(line)
+            if text in line:
+                found.set()
+                return
+        found.set()  # the child closed its output
+
+    threading.Thread(target=read, daemon=True).start()
+    found.wait(timeout)
+    output = "".join(lines)
+    assert text in output, f"no line with {text!r} within {timeout} s:\n{output[-3000:]}"
+    return output
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie waiting to be reaped has stopped running)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def still_running(pids: list[int], within: float) -> list[int]:
+    """The processes of ``pids`` still running after waiting up to ``within`` seconds for all of them to end."""
+    deadline = time.monotonic() + within
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pid for pid in pids if alive(pid)]

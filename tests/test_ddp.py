@@ -115,6 +115,7 @@ def test_a_world_size_that_does_not_match_devices_is_refused():
     )
     assert result.returncode != 0
     assert "WORLD_SIZE=3" in result.stderr and "2 * 1 = 2" in result.stderr
+    assert "left over from another job or your shell, unset them" in result.stderr
 
 
 def test_launch_from_python_c_explains_what_to_do():

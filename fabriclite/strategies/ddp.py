@@ -27,9 +27,10 @@ class DDPStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: str = "subprocess",
         checkpoint_io: CheckpointIO | None = None,
+        stall_timeout: float | None = 60.0,
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__(process_group_backend, timeout, start_method, checkpoint_io)
+        super().__init__(process_group_backend, timeout, start_method, checkpoint_io, stall_timeout)
         self.ddp_kwargs = ddp_kwargs
 
     def _process_state(self) -> dict[str, Any]:

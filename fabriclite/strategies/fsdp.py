@@ -70,8 +70,9 @@ class FSDPStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: str = "subprocess",
         checkpoint_io: CheckpointIO | None = None,
+        stall_timeout: float | None = 60.0,
     ) -> None:
-        super().__init__(process_group_backend, timeout, start_method, checkpoint_io)
+        super().__init__(process_group_backend, timeout, start_method, checkpoint_io, stall_timeout)
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported. Valid choices: 'sharded', 'full'.")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):

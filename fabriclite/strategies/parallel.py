@@ -20,9 +20,10 @@ from fabriclite import collectives
 from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
-from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher
+from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher, stop_on_interrupt
 from fabriclite.plugins.environments import ProcessEnvironment, cpu_threads_per_process, detect_environment
 from fabriclite.strategies.strategy import Strategy
+from fabriclite.watchdog import StallWatchdog, saying_who_has_not_joined
 
 _START_METHODS = {"subprocess": SubprocessLauncher, "spawn": SpawnLauncher}
 
@@ -30,7 +31,9 @@ _START_METHODS = {"subprocess": SubprocessLauncher, "spawn": SpawnLauncher}
 class ParallelStrategy(Strategy):
     """A strategy running one process per device, joined in a ``torch.distributed`` process group.
 
-    ``timeout`` bounds how long a collective waits for a rank that died or hangs before raising.
+    ``timeout`` bounds how long a collective waits for a rank that died or hangs before raising. ``stall_timeout``
+    (seconds; None turns it off) is when a rank waiting in a collective first prints which ranks have not arrived
+    and where each one is (``fabriclite.watchdog``), and when a slow start says which processes have not joined.
     """
 
     syncs_in_forward = True
@@ -41,12 +44,20 @@ class ParallelStrategy(Strategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: str = "subprocess",
         checkpoint_io: CheckpointIO | None = None,
+        stall_timeout: float | None = 60.0,
     ) -> None:
         super().__init__(checkpoint_io=checkpoint_io)
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not supported. Valid choices: 'subprocess', 'spawn'.")
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout={timeout!r} must be a datetime.timedelta.")
+        if stall_timeout is not None and (
+            isinstance(stall_timeout, bool) or not isinstance(stall_timeout, (int, float)) or not stall_timeout > 0
+        ):
+            raise ValueError(
+                f"stall_timeout={stall_timeout!r} must be a number of seconds > 0, or None to turn it off."
+            )
+        self.stall_timeout = stall_timeout
         self.process_group_backend = process_group_backend
         self.timeout = timeout
         self.start_method = start_method
@@ -55,7 +66,8 @@ class ParallelStrategy(Strategy):
 
     def _process_state(self) -> dict[str, Any]:
         environment: ProcessEnvironment | None = None  # read in configure, or once our launcher has set it
-        return {**super()._process_state(), "environment": environment}
+        watchdog: StallWatchdog | None = None
+        return {**super()._process_state(), "environment": environment, "watchdog": watchdog}
 
     def configure(self, accelerator: Accelerator, num_nodes: int = 1) -> None:
         """Read the environment: processes that are already running join it; otherwise pick the launcher that
@@ -67,10 +79,16 @@ class ParallelStrategy(Strategy):
         self.environment = detect_environment()
         if self.environment is not None:
             if self.environment.world_size != expected:
+                stale = ""
+                if self.environment.external and self.environment.source == "env":
+                    stale = (
+                        " If RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are left over from another job "
+                        "or your shell, unset them and Fabric starts its processes itself."
+                    )
                 raise ValueError(
                     f"This process was launched by {self.environment.source} with WORLD_SIZE={self.environment.world_size}, "
                     f"but Fabric was configured for devices * num_nodes = {self.local_processes} * {num_nodes} = "
-                    f"{expected}. Make them match."
+                    f"{expected}. Make them match.{stale}"
                 )
             self.launcher = InProcessLauncher()
         elif num_nodes > 1:
@@ -112,13 +130,22 @@ class ParallelStrategy(Strategy):
         if self.environment is not None:  # e.g. SLURM names the main node but sets no MASTER_* variables
             os.environ.setdefault("MASTER_ADDR", self.environment.main_address)
             os.environ.setdefault("MASTER_PORT", str(self.environment.main_port))
-        dist.init_process_group(
-            backend, init_method="env://", rank=self.global_rank, world_size=self.world_size, timeout=self.timeout
-        )
+        if self.world_size > 1:  # one process needs no help: its interrupt is Python's KeyboardInterrupt
+            stop_on_interrupt(getattr(self.launcher, "children", []))
+        with saying_who_has_not_joined(self.environment, self.stall_timeout):
+            dist.init_process_group(
+                backend, init_method="env://", rank=self.global_rank, world_size=self.world_size, timeout=self.timeout
+            )
+        if self.stall_timeout is not None and self.world_size > 1:
+            self.watchdog = StallWatchdog(self.global_rank, self.world_size, self.stall_timeout, self.timeout)
+            self.watchdog.start()
         # A gloo group still alive when the interpreter exits can abort the process (SIGABRT): close it first.
         atexit.register(self.teardown)
 
     def teardown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         if not dist.is_initialized():
             return
         # Objects still holding the group (compiled graphs, device meshes, reference cycles) would keep its gloo

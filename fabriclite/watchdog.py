@@ -1,0 +1,306 @@
+"""Stall detection: a rank that waits too long says which ranks have not arrived, and where each one is.
+
+A collective waits for every rank. When one rank hangs outside any collective (a deadlocked data loader worker, an
+``input()``, a rank-0-only branch that never returns), the others wait in theirs until the collective timeout (30
+minutes by default), printing nothing. Here every rank runs a daemon thread that looks at its main thread's stack
+once a second and publishes, through a connection of its own to the job's key-value store (the one
+``torch.distributed`` rendezvoused through), a heartbeat: which library call the main thread is inside (the call the
+user's code made into fabriclite or torch: ``Fabric.backward``, ``Metric.compute``, a model forward...), since when,
+and the user's line that made it. A rank that has been inside one such call longer than ``stall_timeout`` reads every
+heartbeat and, when some rank is elsewhere, prints which ranks have not arrived and where they are; it repeats every
+few minutes while the wait lasts. The stack is read from outside, so training steps pay nothing for this.
+
+Usage (the parallel strategies do this after joining the process group)::
+
+    watchdog = StallWatchdog(rank, world_size, stall_timeout=60.0, collective_timeout=timeout)
+    watchdog.start()
+    ...
+    watchdog.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+from fabriclite.plugins.environments import ProcessEnvironment
+
+_KEY = "fabriclite/watchdog/rank{}"
+_SAMPLE_S = 1.0
+_REPEAT_S = 300.0  # while a wait lasts, the report comes again every five minutes
+_MAX_LISTED = 8  # ranks listed by name in one report; the rest are counted
+
+# The call the user's code made into fabriclite or torch is "the operation" a rank is in.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class Places:
+    """Which files are library code (fabriclite, its kernels, torch) and which are the user's.
+
+    Usage: ``Places().is_user(frame)``.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        library = [_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep]
+        kernels = sys.modules.get("fabriclite.kernels")
+        if kernels is not None and getattr(kernels, "__file__", None):  # a separate folder in editable installs
+            library.append(os.path.dirname(os.path.abspath(kernels.__file__)) + os.sep)
+        self.library = tuple(library)
+        self.stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+    def is_library(self, frame: FrameType) -> bool:
+        return os.path.abspath(frame.f_code.co_filename).startswith(self.library)
+
+    def is_user(self, frame: FrameType) -> bool:
+        filename = frame.f_code.co_filename
+        if filename.startswith("<frozen") or self.is_library(frame):
+            return False
+        return "site-packages" in filename or not os.path.abspath(filename).startswith(self.stdlib)
+
+
+def locate(frame: FrameType | None, places: Places) -> tuple[FrameType | None, FrameType | None]:
+    """``(operation, caller)`` for a thread's innermost ``frame``: ``caller`` is the innermost frame of user code,
+    ``operation`` the library frame it called (the fabriclite or torch call the thread is inside), or None when the
+    thread runs the user's own code.
+
+    Usage: ``operation, caller = locate(sys._current_frames()[thread_id], Places())``.
+    """
+    operation = None
+    while frame is not None:
+        if places.is_user(frame):
+            return operation, frame
+        if places.is_library(frame):
+            operation = frame
+        frame = frame.f_back
+    return operation, None
+
+
+def describe(frame: FrameType | None) -> str:
+    """One line naming a frame's file, line, function and source text. Usage: ``describe(caller)``."""
+    if frame is None:
+        return "outside any user code"
+    filename = frame.f_code.co_filename
+    try:
+        shown = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        shown = filename
+    if shown.startswith(".."):
+        shown = filename
+    source = linecache.getline(filename, frame.f_lineno).strip()
+    text = f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return f"{text}: `{source}`" if source else text
+
+
+def operation_name(frame: FrameType) -> str:
+    """``Fabric.backward``-style name of a library frame. Usage: ``operation_name(operation)``."""
+    return getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+
+
+class StallWatchdog:
+    """A daemon thread per rank: heartbeats through the job's store, and a report when this rank has waited inside
+    one library call longer than ``stall_timeout`` seconds while some other rank is elsewhere.
+
+    Usage: ``StallWatchdog(rank, world_size, 60.0).start()`` after ``dist.init_process_group``.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        stall_timeout: float,
+        collective_timeout: timedelta | None = None,
+        thread_id: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.stall_timeout = stall_timeout
+        self.collective_timeout = collective_timeout
+        self.thread_id = thread_id if thread_id is not None else threading.get_ident()
+        self.publish_every = min(5.0, max(0.5, stall_timeout / 4))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._store: Any = None
+
+    def start(self) -> bool:
+        """Connect to the store and start the thread; False (and nothing runs) when the store cannot be reached."""
+        self._store = _connect_store()
+        if self._store is None:
+            return False
+        self._places = Places()
+        self._thread = threading.Thread(target=self._run, name="fabriclite-stall-watchdog", daemon=True)
+        self._thread.start()
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        held: FrameType | None = None  # holding the frame keeps its identity: a new call is a new frame object
+        since = time.time()
+        last_publish = last_report = 0.0
+        try:
+            while not self._stop.wait(_SAMPLE_S):
+                frame = sys._current_frames().get(self.thread_id)
+                if frame is None:
+                    return  # the main thread has ended
+                operation, caller = locate(frame, self._places)
+                current = operation if operation is not None else caller
+                if current is not held:
+                    held, since = current, time.time()
+                del frame
+                now = time.time()
+                state = {
+                    "operation": operation_name(operation) if operation is not None else None,
+                    "caller": describe(caller),
+                    "since": since,
+                    "beat": now,
+                }
+                if now - last_publish >= self.publish_every:
+                    self._store.set(_KEY.format(self.rank), json.dumps(state))
+                    last_publish = now
+                waited = now - since
+                if operation is not None and waited >= self.stall_timeout and now - last_report >= _REPEAT_S:
+                    if self._report(state, waited, now):
+                        last_report = now
+        except Exception as error:  # the store went away: the run is ending; the dead-rank path says why
+            if not self._stop.is_set():
+                print(f"fabriclite: stall watchdog of rank {self.rank} stopped: {error}", file=sys.stderr, flush=True)
+
+    def _others(self) -> dict[int, dict[str, Any] | None]:
+        keys = [_KEY.format(rank) for rank in range(self.world_size) if rank != self.rank]
+        present = {key for key in keys if self._store.check([key])}
+        states: dict[int, dict[str, Any] | None] = {}
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            key = _KEY.format(rank)
+            states[rank] = json.loads(self._store.get(key)) if key in present else None
+        return states
+
+    def _report(self, mine: dict[str, Any], waited: float, now: float) -> bool:
+        missing, waiting = [], []
+        for rank, state in self._others().items():
+            if state is None:
+                missing.append(f"rank {rank}: no heartbeat yet (it has not joined the watchdog)")
+            elif now - state["beat"] > 3 * self.publish_every + 10:
+                missing.append(
+                    f"rank {rank}: no heartbeat for {now - state['beat']:.0f} s (stuck in native code that holds "
+                    f"the interpreter lock, or its host is unreachable); last seen {_doing(state, now)}"
+                )
+            elif state["operation"] != mine["operation"]:
+                missing.append(f"rank {rank}: {_doing(state, now)}")
+            else:
+                waiting.append(rank)
+        if not missing:
+            return False  # every rank is in the same call: a slow collective or save, not a missing rank
+        lines = [
+            f"fabriclite: rank {self.rank} has waited {waited:.0f} s in {mine['operation']} (called at "
+            f"{mine['caller']}); {len(missing)} of {self.world_size} ranks have not arrived:"
+        ]
+        lines += [f"  {line}" for line in missing[:_MAX_LISTED]]
+        if len(missing) > _MAX_LISTED:
+            lines.append(f"  ... and {len(missing) - _MAX_LISTED} more")
+        also = f"ranks {_ranges(waiting)} wait in the same call; " if waiting else ""
+        limit = "never"
+        if self.collective_timeout is not None:
+            limit = f"after the collective timeout of {_minutes(self.collective_timeout.total_seconds())}"
+        lines.append(
+            f"  ({also}the run fails {limit}; this report repeats every {_REPEAT_S / 60:.0f} min while the wait "
+            f"lasts; stall_timeout={self.stall_timeout:g} s sets when it starts, None turns it off)"
+        )
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        return True
+
+
+def _doing(state: dict[str, Any], now: float) -> str:
+    duration = f"{now - state['since']:.0f} s"
+    if state["operation"] is None:
+        return f"running its own code for {duration}, at {state['caller']}"
+    return f"in {state['operation']} for {duration}, called at {state['caller']}"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
+
+
+def _ranges(ranks: list[int]) -> str:
+    parts, start = [], None
+    for i, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ", ".join(parts)
+
+
+def _connect_store() -> Any:
+    """A client connection of our own to the store at MASTER_ADDR:MASTER_PORT (the main thread may be blocked in
+    a call on the process group's own), or None when there is none."""
+    import torch.distributed as dist
+
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not address or not port:
+        return None
+    try:
+        store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=30))
+    except (RuntimeError, ValueError, OSError):
+        return None
+    return dist.PrefixStore(f"fabriclite-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/", store)
+
+
+@contextmanager
+def saying_who_has_not_joined(environment: ProcessEnvironment | None, stall_timeout: float | None) -> Iterator[None]:
+    """Run the block (joining the process group); while it takes longer than ``min(stall_timeout, 30)`` seconds,
+    say so every few minutes, and when the launch variables came from outside (no launcher of fabriclite, no
+    torchrun, no SLURM), what usually causes it: variables left over from another job or a shell, with nobody
+    starting the other processes. Without an environment (one plain process) or with ``stall_timeout=None`` it
+    says nothing.
+
+    Usage: ``with saying_who_has_not_joined(env, 60.0): dist.init_process_group(...)``.
+    """
+    if environment is None or stall_timeout is None:
+        yield
+        return
+    joined = threading.Event()
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    advice = ""
+    if environment.external and environment.source == "env":
+        values = ", ".join(f"{name}={os.environ[name]}" for name in names if name in os.environ)
+        advice = (
+            f" This process was told it is rank {environment.global_rank} of {environment.world_size} by "
+            f"environment variables that no launcher set ({values}). If they are left over from another job or "
+            f"your shell, unset them (unset {' '.join(names)}) and Fabric starts its processes itself; to start "
+            "the processes yourself, use torchrun or `fabriclite run`."
+        )
+
+    def warn() -> None:
+        waited, wait = 0.0, min(stall_timeout, 30.0)
+        while not joined.wait(wait):
+            waited += wait
+            print(
+                f"fabriclite: rank {environment.global_rank} has waited {waited:.0f} s for the other processes of "
+                f"the job ({environment.world_size} in all) to join at {os.environ.get('MASTER_ADDR')}:"
+                f"{os.environ.get('MASTER_PORT')}.{advice}",
+                file=sys.stderr,
+                flush=True,
+            )
+            wait = _REPEAT_S
+
+    threading.Thread(target=warn, name="fabriclite-join-warning", daemon=True).start()
+    try:
+        yield
+    finally:
+        joined.set()

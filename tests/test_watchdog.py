@@ -1,0 +1,106 @@
+"""Stall detection: a rank waiting for one that hangs says so, naming the missing rank and where it is; a start
+that never completes names the launch variables. Real processes over gloo; every wait carries a timeout."""
+
+import json
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fabriclite.plugins.environments import free_port
+from fabriclite.strategies import DDPStrategy, FSDPStrategy
+from fabriclite.watchdog import Places, StallWatchdog, describe, locate
+from helpers import SCRIPTS, read_until, sigkill, start_python
+
+
+def test_a_hung_rank_is_named_with_its_line_by_the_rank_waiting_for_it():
+    child = start_python(str(SCRIPTS / "stalls.py"), "hang", "2")
+    try:
+        output = read_until(child, "None turns it off", timeout=150)
+    finally:
+        sigkill(child)
+    report = output[output.index("fabriclite: rank 0 has waited") :]
+    assert "in Fabric.backward (called at tests/scripts/stalls.py" in report
+    assert "1 of 2 ranks have not arrived" in report
+    assert "rank 1: running its own code" in report and "`time.sleep(3600)  # the hung rank`" in report
+    assert "collective timeout of 30 min" in report
+
+
+def test_launch_variables_left_in_the_environment_are_named_when_nobody_joins(tmp_path):
+    stale = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    child = start_python(str(SCRIPTS / "stalls.py"), "join", "2", MASTER_PORT=str(free_port()), **stale)
+    try:
+        output = read_until(child, "unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT", timeout=150)
+    finally:
+        sigkill(child)
+    assert "rank 0 has waited 2 s for the other processes of the job (2 in all)" in output
+    assert "RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1" in output
+    assert "torchrun or `fabriclite run`" in output
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=30))
+    yield dist.PrefixStore("test/", server)
+
+
+def heartbeat(store, rank, operation, caller, since_s_ago):
+    now = time.time()
+    state = {"operation": operation, "caller": caller, "since": now - since_s_ago, "beat": now}
+    store.set(f"fabriclite/watchdog/rank{rank}", json.dumps(state))
+
+
+def waiting_rank(store, world_size=3):
+    watchdog = StallWatchdog(0, world_size, stall_timeout=5.0, collective_timeout=timedelta(minutes=30))
+    watchdog._store = store
+    mine = {"operation": "Fabric.barrier", "caller": "train.py:9 in main", "since": time.time() - 70, "beat": 0}
+    return watchdog, mine
+
+
+def test_ranks_all_inside_the_same_call_are_a_slow_collective_not_a_stall(store, capsys):
+    watchdog, mine = waiting_rank(store)
+    heartbeat(store, 1, "Fabric.barrier", "train.py:9 in main", 70)
+    heartbeat(store, 2, "Fabric.barrier", "train.py:9 in main", 69)
+    assert watchdog._report(mine, 70, time.time()) is False
+    assert capsys.readouterr().err == ""
+
+
+def test_a_report_lists_ranks_elsewhere_silent_or_never_seen_and_counts_those_waiting_too(store, capsys):
+    watchdog, mine = waiting_rank(store, world_size=5)
+    heartbeat(store, 1, "Fabric.barrier", "train.py:9 in main", 70)
+    heartbeat(store, 2, None, "train.py:4 in evaluate: `input()`", 80)
+    heartbeat(store, 3, "Fabric.all_reduce", "train.py:7 in main", 75)
+    assert watchdog._report(mine, 70, time.time()) is True
+    err = capsys.readouterr().err
+    assert "rank 0 has waited 70 s in Fabric.barrier (called at train.py:9 in main); 3 of 5 ranks" in err
+    assert "rank 2: running its own code for 80 s, at train.py:4 in evaluate: `input()`" in err
+    assert "rank 3: in Fabric.all_reduce for 75 s, called at train.py:7 in main" in err
+    assert "rank 4: no heartbeat yet" in err
+    assert "ranks 1 wait in the same call" in err
+
+
+def test_a_heartbeat_that_stopped_is_reported_as_such(store, capsys):
+    watchdog, mine = waiting_rank(store, world_size=2)
+    heartbeat(store, 1, "Fabric.barrier", "train.py:9 in main", 70)
+    state = json.loads(store.get("fabriclite/watchdog/rank1"))
+    state["beat"] -= 120
+    store.set("fabriclite/watchdog/rank1", json.dumps(state))
+    assert watchdog._report(mine, 70, time.time()) is True
+    assert "rank 1: no heartbeat for 120 s" in capsys.readouterr().err
+
+
+def test_a_thread_in_its_own_code_has_no_operation_and_its_caller_is_the_users_line():
+    operation, caller = locate(sys._getframe(), Places())
+    assert operation is None
+    assert caller is sys._getframe()
+    assert describe(caller).startswith("tests/test_watchdog.py:")
+    assert "in test_a_thread_in_its_own_code" in describe(caller)
+
+
+@pytest.mark.parametrize("strategy", [DDPStrategy, FSDPStrategy])
+@pytest.mark.parametrize("value", [0, -1.0, "60", True])
+def test_a_stall_timeout_that_is_not_a_positive_number_is_refused(strategy, value):
+    with pytest.raises(ValueError, match=f"stall_timeout={value!r} must be a number of seconds > 0, or None"):
+        strategy(stall_timeout=value)
