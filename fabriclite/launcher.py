@@ -9,6 +9,10 @@ returns what this process's (or rank 0's) call returned.
   exits with an error, and each child dies with rank 0, so a failure never leaves processes hanging.
 - ``SpawnLauncher`` ("ddp_spawn"): runs ``function`` in fresh processes and returns rank 0's result. ``function``
   and its arguments are pickled; they are unpickled in each new process once its rank is in the environment.
+
+Interrupting: SIGINT or SIGTERM to the process the user started reaches every rank (``stop_on_interrupt`` forwards
+it), and a rank blocked in a collective, where Python never gets to run its signal handler, exits with 128 + the
+signal's number once it has stayed blocked ``INTERRUPT_GRACE_S`` seconds, so an interrupted run ends in seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from typing import Any, Callable
 from fabriclite.plugins.environments import free_port
 
 LAUNCHER_ENV = "FABRICLITE_LAUNCHER"
+INTERRUPT_GRACE_S = 10.0
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+_guarded = False  # stop_on_interrupt runs once per process
 
 
 class InProcessLauncher:
@@ -45,6 +52,81 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def stop_on_interrupt(children: list[subprocess.Popen]) -> None:
+    """Make SIGINT and SIGTERM end this rank and ``children`` (the ranks this process started) even while this
+    process is blocked in native code, such as a collective waiting for a hung rank.
+
+    Python runs signal handlers only between bytecodes, so a main thread blocked in a gloo or NCCL call never
+    raises ``KeyboardInterrupt``. The C-level handler still writes the signal's number to the wakeup fd, which a
+    thread here reads: it passes the signal on to ``children``, and if the main thread then stays at the very same
+    instruction for ``INTERRUPT_GRACE_S`` seconds (blocked: the handler could not run), it kills ``children`` and
+    exits with 128 + the signal number. A main thread that does run the handler is left to it, as are signals whose
+    handler is SIG_DFL (the kernel ends the process; ``children`` die with it). Installed once, from the main
+    thread; skipped when someone else (asyncio, an IDE) already owns the wakeup fd.
+
+    Usage: ``stop_on_interrupt(launcher.children)`` in each rank once it runs.
+    """
+    global _guarded
+    if _guarded or threading.current_thread() is not threading.main_thread():
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if previous != -1:
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    _guarded = True
+    main_id = threading.get_ident()
+    threading.Thread(
+        target=_watch_interrupts, args=(read_fd, children, main_id), name="fabriclite-interrupts", daemon=True
+    ).start()
+
+
+def _watch_interrupts(read_fd: int, children: list[subprocess.Popen], main_id: int) -> None:
+    while True:
+        received = os.read(read_fd, 64)
+        if not received:
+            return
+        for signum in dict.fromkeys(received):  # in arrival order, once each
+            if signum not in _INTERRUPTS:
+                continue
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signum)
+            blocked_at = _main_position(main_id)
+            deadline = time.monotonic() + INTERRUPT_GRACE_S
+            while blocked_at is not None and time.monotonic() < deadline:
+                time.sleep(0.2)
+                if _main_position(main_id) != blocked_at:
+                    blocked_at = None  # the main thread moved: its signal handler runs, and decides
+            if blocked_at is not None:
+                name = signal.Signals(signum).name
+                print(
+                    f"fabriclite: {name} received, and this process stayed blocked for {INTERRUPT_GRACE_S:g} s in "
+                    f"{blocked_at[2]} (most often a collective waiting for another rank), where Python cannot "
+                    f"stop it; exiting with code {128 + signum}.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                for child in children:
+                    if child.poll() is None:
+                        child.kill()
+                os._exit(128 + signum)
+
+
+def _main_position(main_id: int) -> tuple[int, int, str] | None:
+    from fabriclite.watchdog import Places, describe, locate, operation_name
+
+    frame = sys._current_frames().get(main_id)
+    if frame is None:
+        return None
+    operation, caller = locate(frame, Places())
+    where = f"{operation_name(operation)}, called at {describe(caller)}" if operation else describe(caller)
+    return id(frame), frame.f_lasti, where
 
 
 def _script_command() -> list[str]:
@@ -128,7 +210,7 @@ class SubprocessLauncher:
                         return  # this process is already stopping them (after its own error)
                     self._report(child, code, "stopping the other processes")
                     self.kill_children()
-                    os._exit(code if code > 0 else 1)
+                    os._exit(_exit_code(code))
             if all(child.poll() == 0 for child in self.children):
                 return
             time.sleep(0.2)
@@ -163,12 +245,18 @@ class SubprocessLauncher:
     def _wait_for_children(self) -> None:
         for child in self.children:
             code = child.wait()
-            if code != 0:
+            if code != 0 and not self._killing:  # those this process stopped itself: its own error is the news
                 self._report(child, code, "this run failed")
-                os._exit(code if code > 0 else 1)
+                os._exit(_exit_code(code))
+
+
+def _exit_code(returncode: int) -> int:
+    # A child killed by signal N (returncode -N) makes this process exit the way shells report it: 128 + N.
+    return returncode if returncode > 0 else 128 - returncode
 
 
 def _spawn_entry(local_rank: int, processes: int, port: int, payload: bytes, results: Any) -> None:
+    _die_with_parent()
     os.environ.update(_rank_env(local_rank, local_rank, processes, 0, "127.0.0.1", port))
     os.environ[LAUNCHER_ENV] = "spawn"
     # Unpickled only now, with the rank in the environment: a Fabric in the payload is rebuilt as a launched one.
@@ -193,10 +281,33 @@ class SpawnLauncher:
         payload = pickle.dumps((function, args, kwargs))
         context = mp.get_context("spawn")
         results = context.SimpleQueue()
-        mp.start_processes(
+        processes = mp.start_processes(
             _spawn_entry,
             args=(self.processes, free_port(), payload, results),
             nprocs=self.processes,
+            join=False,
             start_method="spawn",
         )
-        return results.get()  # start_processes raised if any process failed, so rank 0 has put its result
+        try:
+            while not processes.join(timeout=0.5):  # raises as soon as any process fails
+                pass
+        except KeyboardInterrupt:
+            # The processes would go on training after this one stopped waiting (they are not daemons): pass the
+            # interrupt on, and kill those still running once a blocked rank had time to give up.
+            _interrupt(processes.processes, signal.SIGINT, INTERRUPT_GRACE_S + 5)
+            raise
+        return results.get()  # join raised if any process failed, so rank 0 has put its result
+
+
+def _interrupt(processes: list[Any], signum: int, grace: float) -> None:
+    """Send ``signum`` to every live process of ``processes`` (multiprocessing ones), SIGKILL those alive after
+    ``grace`` seconds, and reap them all."""
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signum)
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(5)

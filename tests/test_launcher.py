@@ -2,11 +2,14 @@
 the script again (subprocess), and in new processes (spawn). Each multi-process run carries a timeout."""
 
 import pickle
+import re
+import signal
+import time
 
 import pytest
 
 from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher
-from helpers import SCRIPTS, assert_passed, run_python
+from helpers import SCRIPTS, assert_passed, read_until, run_python, sigkill, start_python, still_running
 
 
 def test_in_process_runs_the_function_here_and_returns_its_result():
@@ -49,3 +52,32 @@ def test_spawn_runs_the_function_in_new_processes_and_returns_rank_zeros_result(
     out = run_python(str(SCRIPTS / "launcher_checks.py"), "spawn", timeout=180).stdout
     assert_passed(out, ["the rank is in the environment", "the arguments arrive"])
     assert_passed(out, ["rank 0's result comes back", "this process stays outside the run"], ranks=("0",))
+
+
+def interrupt_when_waiting(mode: str) -> tuple[int, str, list[int]]:
+    """Start ``stalls.py mode`` (rank 1 hangs), SIGINT the process the user started once rank 0 waits for rank 1,
+    and return its exit code, its output and the PIDs of its ranks."""
+    child = start_python(str(SCRIPTS / "stalls.py"), mode)
+    try:
+        output = read_until(child, "WAITING 0", timeout=150)
+        time.sleep(1)  # rank 0 is now inside the collective
+        child.send_signal(signal.SIGINT)
+        rest, _ = child.communicate(timeout=90)
+    finally:
+        sigkill(child)
+    output += rest
+    return child.returncode, output, [int(pid) for pid in re.findall(r"PID \d (\d+)", output)]
+
+
+def test_sigint_ends_every_rank_even_one_blocked_in_a_collective_and_exits_130():
+    code, output, pids = interrupt_when_waiting("deaf")  # rank 1 ignores SIGINT: it has to be stopped
+    assert code == 128 + signal.SIGINT, output[-3000:]
+    assert "SIGINT received, and this process stayed blocked for 10 s in Fabric.backward, called at" in output
+    assert len(pids) == 2 and still_running(pids, within=30) == []
+
+
+def test_sigint_to_a_ddp_spawn_parent_stops_the_processes_it_started():
+    code, output, pids = interrupt_when_waiting("spawn_hang")
+    assert code in (-signal.SIGINT, 128 + signal.SIGINT), output[-3000:]
+    assert "KeyboardInterrupt" in output
+    assert len(pids) == 2 and still_running(pids, within=30) == []
