@@ -15,7 +15,14 @@ from typing import Any, Callable
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 
-STRATEGIES = ("auto", "single_device", "dp", "ddp", "ddp_spawn", "fsdp")
+# Lightning's DDP names: how the processes start, and optionally DDP's find_unused_parameters as a suffix.
+_DDP_START_METHODS = {"ddp": "subprocess", "ddp_spawn": "spawn", "ddp_fork": "fork", "ddp_notebook": "fork"}
+_DDP_NAMES = {
+    f"{name}{suffix}": (start, unused)
+    for name, start in _DDP_START_METHODS.items()
+    for suffix, unused in (("", None), ("_find_unused_parameters_true", True), ("_find_unused_parameters_false", False))
+}
+STRATEGIES = ("auto", "single_device", "dp", *_DDP_NAMES, "fsdp", "fsdp_cpu_offload")
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -63,6 +70,21 @@ def parse_accelerator(accelerator: Any) -> str:
     if not isinstance(accelerator, str) or accelerator.lower() not in ACCELERATORS:
         raise invalid_choice("accelerator", accelerator, ACCELERATORS)
     return accelerator.lower()
+
+
+def strategy_settings(name: str) -> dict[str, Any]:
+    """The keyword arguments of ``DDPStrategy`` (for a DDP name) or ``FSDPStrategy`` (for an FSDP name) that a
+    strategy name stands for.
+
+    Usage: ``strategy_settings("ddp_notebook") == {"start_method": "fork"}``.
+    """
+    if name in _DDP_NAMES:
+        start_method, find_unused = _DDP_NAMES[name]
+        settings: dict[str, Any] = {"start_method": start_method}
+        if find_unused is not None:
+            settings["find_unused_parameters"] = find_unused
+        return settings
+    return {"cpu_offload": True} if name == "fsdp_cpu_offload" else {}
 
 
 def parse_strategy(strategy: Any) -> Any:

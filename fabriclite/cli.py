@@ -21,7 +21,7 @@ from fabriclite.choices import ENV_PREFIX, FABRIC_DEFAULTS, env_name
 # Every setting of `fabriclite run`, as a flag (dashes) and as a --config key (underscores), with its help.
 RUN_SETTINGS: dict[str, str] = {
     "accelerator": "Hardware for the script's Fabric(): cpu, cuda, gpu, mps or auto (default: auto).",
-    "strategy": "Strategy for the script's Fabric(): auto, ddp, ddp_spawn, fsdp, single_device (default: auto).",
+    "strategy": "Strategy for the script's Fabric(): auto, ddp, fsdp, single_device, or another name Fabric takes (default: auto).",
     "devices": "Processes per node: a count, 'auto' (CPU: 1; CUDA: every visible GPU), -1 (every GPU) or GPU "
     "indices such as 0,1 (default: auto).",
     "num_nodes": "Number of machines (default: 1). Start `fabriclite run` once on each, with its --node-rank.",

@@ -162,7 +162,10 @@ class Fabric:
             raise TypeError(f"fabric.launch(function) expects a callable taking the Fabric first, got {function!r}.")
         launcher = self._strategy.launcher
         if function is None and launcher.needs_function:
-            raise ValueError("strategy='ddp_spawn' runs a function in new processes: call fabric.launch(function).")
+            raise ValueError(
+                f"This strategy starts new processes by {launcher.start_method} and runs a function in them: call "
+                "fabric.launch(function), with a function taking the Fabric first."
+            )
         return launcher.launch(self._run_launched, function, *args, **kwargs)
 
     def _run_launched(self, function: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:

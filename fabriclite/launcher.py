@@ -7,8 +7,9 @@ returns what this process's (or rank 0's) call returned.
 - ``SubprocessLauncher``: re-runs the script once per extra process (the way Lightning does), with the rank in the
   environment; the original process becomes rank 0. A watchdog thread in rank 0 ends every sibling as soon as one
   exits with an error, and each child dies with rank 0, so a failure never leaves processes hanging.
-- ``SpawnLauncher`` ("ddp_spawn"): runs ``function`` in fresh processes and returns rank 0's result. ``function``
-  and its arguments are pickled; they are unpickled in each new process once its rank is in the environment.
+- ``MultiprocessingLauncher`` ("ddp_spawn", "ddp_fork", "ddp_notebook"): runs ``function`` in new processes and
+  returns rank 0's result. Spawned processes get ``function`` and its arguments pickled, and unpickle them once
+  their rank is in the environment; forked ones (notebooks) get copies of this process's objects.
 
 Interrupting: SIGINT or SIGTERM to the process the user started reaches every rank (``stop_on_interrupt`` forwards
 it), and a rank blocked in a collective, where Python never gets to run its signal handler, exits with 128 + the
@@ -140,7 +141,7 @@ def _script_command() -> list[str]:
         raise RuntimeError(
             "fabric.launch() starts the other processes by running this script again, but this process was not "
             "started from a script file (an interactive session or `python -c`). Run a script, or use "
-            "strategy='ddp_spawn' with fabric.launch(function)."
+            "strategy='ddp_spawn' (or 'ddp_notebook' in a notebook) with fabric.launch(function)."
         )
     return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
 
@@ -255,38 +256,50 @@ def _exit_code(returncode: int) -> int:
     return returncode if returncode > 0 else 128 - returncode
 
 
-def _spawn_entry(local_rank: int, processes: int, port: int, payload: bytes, results: Any) -> None:
+def _process_entry(local_rank: int, processes: int, port: int, start_method: str, payload: Any, results: Any) -> None:
     _die_with_parent()
     os.environ.update(_rank_env(local_rank, local_rank, processes, 0, "127.0.0.1", port))
-    os.environ[LAUNCHER_ENV] = "spawn"
-    # Unpickled only now, with the rank in the environment: a Fabric in the payload is rebuilt as a launched one.
-    function, args, kwargs = pickle.loads(payload)
+    os.environ[LAUNCHER_ENV] = start_method
+    # A spawned process unpickles the work only now, with the rank in the environment: a Fabric in it is rebuilt as
+    # a launched one. A forked process has the parent's objects as they were.
+    function, args, kwargs = pickle.loads(payload) if start_method == "spawn" else payload
     result = function(*args, **kwargs)
     if local_rank == 0:
         results.put(result)
 
 
-class SpawnLauncher:
-    """Runs ``function(*args, **kwargs)`` in N new processes ("spawn" start method); returns rank 0's result."""
+class MultiprocessingLauncher:
+    """Runs ``function(*args, **kwargs)`` in N new processes and returns rank 0's result. ``start_method="spawn"``
+    starts fresh interpreters (``function`` and its arguments are pickled); ``"fork"`` copies this process, so
+    functions defined in a notebook work, but only while CUDA is not initialised here.
+
+    Usage: ``MultiprocessingLauncher(2, "fork").launch(train, config)``.
+    """
 
     starts_processes = True
     needs_function = True  # this process only waits: the work must come as a function
 
-    def __init__(self, processes: int) -> None:
+    def __init__(self, processes: int, start_method: str = "spawn") -> None:
+        if start_method not in ("spawn", "fork"):
+            raise ValueError(f"start_method={start_method!r} is not supported here. Valid choices: 'spawn', 'fork'.")
         self.processes = processes
+        self.start_method = start_method
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         import torch.multiprocessing as mp
 
-        payload = pickle.dumps((function, args, kwargs))
-        context = mp.get_context("spawn")
-        results = context.SimpleQueue()
+        if self.start_method == "spawn":
+            payload: Any = pickle.dumps((function, args, kwargs))
+        else:
+            _check_forkable()
+            payload = (function, args, kwargs)
+        results = mp.get_context(self.start_method).SimpleQueue()
         processes = mp.start_processes(
-            _spawn_entry,
-            args=(self.processes, free_port(), payload, results),
+            _process_entry,
+            args=(self.processes, free_port(), self.start_method, payload, results),
             nprocs=self.processes,
             join=False,
-            start_method="spawn",
+            start_method=self.start_method,
         )
         try:
             while not processes.join(timeout=0.5):  # raises as soon as any process fails
@@ -297,6 +310,18 @@ class SpawnLauncher:
             _interrupt(processes.processes, signal.SIGINT, INTERRUPT_GRACE_S + 5)
             raise
         return results.get()  # join raised if any process failed, so rank 0 has put its result
+
+
+def _check_forkable() -> None:
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "strategy='ddp_fork' / 'ddp_notebook' starts the processes by forking this one, and CUDA is already "
+            "initialised here (something ran on a GPU or called torch.cuda before launch()); a forked process "
+            "cannot use CUDA then. Restart the kernel or process and call fabric.launch(function) before any CUDA "
+            "work, or in a script use strategy='ddp' or 'ddp_spawn'."
+        )
 
 
 def _interrupt(processes: list[Any], signum: int, grace: float) -> None:

@@ -73,15 +73,43 @@ def test_fsdp_selects_the_fsdp_strategy_also_on_one_process():
 
 
 @pytest.mark.parametrize(
-    ("strategy", "start_method"), [("DDP", "subprocess"), ("ddp_spawn", "spawn"), ("auto", "subprocess")]
+    ("strategy", "start_method", "ddp_kwargs"),
+    [
+        ("DDP", "subprocess", {}),
+        ("ddp_spawn", "spawn", {}),
+        ("auto", "subprocess", {}),
+        ("ddp_fork", "fork", {}),
+        ("ddp_notebook", "fork", {}),
+        ("ddp_find_unused_parameters_true", "subprocess", {"find_unused_parameters": True}),
+        ("ddp_find_unused_parameters_false", "subprocess", {"find_unused_parameters": False}),
+        ("ddp_spawn_find_unused_parameters_true", "spawn", {"find_unused_parameters": True}),
+        ("ddp_notebook_find_unused_parameters_false", "fork", {"find_unused_parameters": False}),
+    ],
 )
-def test_ddp_names_select_ddp_with_their_start_method(strategy, start_method):
+def test_ddp_names_select_ddp_with_their_start_method_and_ddp_settings(strategy, start_method, ddp_kwargs):
     from fabriclite.strategies import DDPStrategy
 
     fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)
     assert isinstance(fabric.strategy, DDPStrategy)
     assert fabric.strategy.start_method == start_method
+    assert fabric.strategy.ddp_kwargs == ddp_kwargs
     assert fabric.world_size == 2 and fabric.global_rank == 0
+
+
+def test_fsdp_cpu_offload_selects_fsdp_keeping_the_shards_in_cpu_memory():
+    from fabriclite.strategies import FSDPStrategy
+
+    strategy = Fabric(accelerator="cpu", strategy="fsdp_cpu_offload", devices=2).strategy
+    assert isinstance(strategy, FSDPStrategy) and strategy.cpu_offload is True
+
+
+def test_an_unknown_start_method_is_refused_with_the_valid_ones():
+    from fabriclite.strategies import DDPStrategy
+
+    with pytest.raises(
+        ValueError, match="start_method='forkserver' is not supported. Valid choices: 'subprocess', 'popen'"
+    ):
+        DDPStrategy(start_method="forkserver")
 
 
 def test_single_device_with_two_devices_is_refused():

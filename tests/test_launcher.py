@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher
+from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from helpers import SCRIPTS, assert_passed, read_until, run_python, sigkill, start_python, still_running
 
 
@@ -20,14 +20,18 @@ def test_in_process_runs_the_function_here_and_returns_its_result():
 
 @pytest.mark.parametrize(
     ("launcher", "starts", "needs_function"),
-    [(InProcessLauncher(), False, False), (SubprocessLauncher(2), True, False), (SpawnLauncher(2), True, True)],
+    [
+        (InProcessLauncher(), False, False),
+        (SubprocessLauncher(2), True, False),
+        (MultiprocessingLauncher(2), True, True),
+    ],
 )
 def test_each_launcher_says_whether_it_starts_processes_and_needs_a_function(launcher, starts, needs_function):
     assert (launcher.starts_processes, launcher.needs_function) == (starts, needs_function)
 
 
 def test_a_spawn_launcher_pickles_so_a_strategy_can_travel():
-    launcher = pickle.loads(pickle.dumps(SpawnLauncher(3)))
+    launcher = pickle.loads(pickle.dumps(MultiprocessingLauncher(3)))
     assert launcher.processes == 3
 
 
@@ -80,4 +84,30 @@ def test_sigint_to_a_ddp_spawn_parent_stops_the_processes_it_started():
     code, output, pids = interrupt_when_waiting("spawn_hang")
     assert code in (-signal.SIGINT, 128 + signal.SIGINT), output[-3000:]
     assert "KeyboardInterrupt" in output
+    assert len(pids) == 2 and still_running(pids, within=30) == []
+
+
+NOTEBOOK_CELL = """
+from fabriclite import Fabric
+offset = 10
+def train(fabric):  # a function of an interactive session: spawn cannot pickle what it closes over
+    return fabric.all_reduce(fabric.global_rank + offset, reduce_op='sum').item() + (lambda: 0)()
+print('result', Fabric(accelerator='cpu', devices=2, strategy='ddp_notebook').launch(train))
+"""
+
+
+def test_ddp_notebook_runs_a_function_defined_in_an_interactive_session_by_forking():
+    assert "result 21" in run_python("-c", NOTEBOOK_CELL, timeout=180).stdout
+
+
+def test_forking_is_refused_once_cuda_is_initialised(monkeypatch):
+    # Mock: this machine has no GPU, so CUDA cannot really be initialised here.
+    monkeypatch.setattr("torch.cuda.is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA is already initialised here"):
+        MultiprocessingLauncher(2, "fork").launch(print)
+
+
+def test_sigint_to_a_ddp_notebook_parent_stops_the_processes_it_forked():
+    code, output, pids = interrupt_when_waiting("fork_hang")
+    assert code in (-signal.SIGINT, 128 + signal.SIGINT), output[-3000:]
     assert len(pids) == 2 and still_running(pids, within=30) == []

@@ -12,7 +12,7 @@ from torch import nn
 from fabriclite import Fabric
 from fabriclite.accelerators import CPUAccelerator
 from fabriclite.checkpoint import TorchCheckpointIO
-from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher
+from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from fabriclite.plugins import MixedPrecision, Precision
 from fabriclite.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy, select_strategy
 from helpers import SCRIPTS, assert_passed, run_python
@@ -45,7 +45,7 @@ def plain_process(monkeypatch):
         ("single_device", 1, SingleDeviceStrategy, InProcessLauncher),
         ("auto", 2, DDPStrategy, SubprocessLauncher),
         ("ddp", 2, DDPStrategy, SubprocessLauncher),
-        ("ddp_spawn", 2, DDPStrategy, SpawnLauncher),
+        ("ddp_spawn", 2, DDPStrategy, MultiprocessingLauncher),
         ("fsdp", 2, FSDPStrategy, SubprocessLauncher),
     ],
 )

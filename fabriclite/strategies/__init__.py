@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 from fabriclite.accelerators import Accelerator
-from fabriclite.choices import STRATEGIES, invalid_choice
+from fabriclite.choices import STRATEGIES, invalid_choice, strategy_settings
 from fabriclite.strategies.strategy import SingleDeviceStrategy, Strategy
 
 __all__ = [
@@ -63,6 +63,8 @@ def select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> 
     """
     if isinstance(strategy, Strategy):
         return strategy
+    if not isinstance(strategy, str):
+        raise invalid_choice("strategy", strategy, STRATEGIES)
     processes = len(accelerator.device_indices) * num_nodes
     if strategy in ("auto", "single_device") and processes == 1:
         return SingleDeviceStrategy()
@@ -82,10 +84,10 @@ def select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> 
             UserWarning,
             stacklevel=3,
         )
-    if strategy in ("auto", "dp", "ddp", "ddp_spawn"):
+    if strategy in ("auto", "dp") or strategy.startswith("ddp"):
         from fabriclite.strategies.ddp import DDPStrategy
 
-        return DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "subprocess")
-    if strategy == "fsdp":  # also on one process: a group of one, so checkpoints and DTensors look the same
-        return _fsdp_strategy_class()()
+        return DDPStrategy(**strategy_settings(strategy))
+    if strategy.startswith("fsdp"):  # also on one process: a group of one, so checkpoints and DTensors look the same
+        return _fsdp_strategy_class()(**strategy_settings(strategy))
     raise invalid_choice("strategy", strategy, STRATEGIES)

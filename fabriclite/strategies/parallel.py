@@ -20,12 +20,13 @@ from fabriclite import collectives
 from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
-from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher, stop_on_interrupt
+from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher, stop_on_interrupt
 from fabriclite.plugins.environments import ProcessEnvironment, cpu_threads_per_process, detect_environment
 from fabriclite.strategies.strategy import Strategy
 from fabriclite.watchdog import StallWatchdog, saying_who_has_not_joined
 
-_START_METHODS = {"subprocess": SubprocessLauncher, "spawn": SpawnLauncher}
+# How a launch starts the processes: run the script again ("popen" is Lightning's name for it), or multiprocessing.
+_START_METHODS = ("subprocess", "popen", "spawn", "fork")
 
 
 class ParallelStrategy(Strategy):
@@ -48,7 +49,9 @@ class ParallelStrategy(Strategy):
     ) -> None:
         super().__init__(checkpoint_io=checkpoint_io)
         if start_method not in _START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not supported. Valid choices: 'subprocess', 'spawn'.")
+            raise ValueError(
+                f"start_method={start_method!r} is not supported. Valid choices: {', '.join(map(repr, _START_METHODS))}."
+            )
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout={timeout!r} must be a datetime.timedelta.")
         if stall_timeout is not None and (
@@ -96,8 +99,10 @@ class ParallelStrategy(Strategy):
                 f"num_nodes={num_nodes} needs the processes to be started by torchrun, SLURM or "
                 "`fabriclite run --num-nodes`; a plain `python script.py` starts processes on one node only."
             )
+        elif self.start_method in ("subprocess", "popen"):
+            self.launcher = SubprocessLauncher(self.local_processes)
         else:
-            self.launcher = _START_METHODS[self.start_method](self.local_processes)
+            self.launcher = MultiprocessingLauncher(self.local_processes, self.start_method)
         self.root_device = accelerator.device(self.local_rank)
 
     # Process layout: from whoever started this process; before launching, this process is rank 0 of the planned run.

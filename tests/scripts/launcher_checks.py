@@ -8,7 +8,7 @@ import os
 import sys
 
 from check_report import report
-from fabriclite.launcher import InProcessLauncher, SpawnLauncher, SubprocessLauncher
+from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from fabriclite.plugins.environments import detect_environment
 
 LAYOUT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -28,7 +28,7 @@ def work(tag, scale=1):
 if __name__ == "__main__":
     method = sys.argv[1]
     if method == "spawn":
-        launcher = SpawnLauncher(2)
+        launcher = MultiprocessingLauncher(2)
         result = launcher.launch(work, "job", scale=3)
         # Only rank 0's result comes back, and the work ran in new processes, not in this one.
         report(0, "rank 0's result comes back", result[0] == 0 and result[1] != os.getpid())

@@ -3,6 +3,7 @@
     python stalls.py hang [stall_timeout]   rank 1 sleeps after two steps; rank 0 goes on and waits in backward
     python stalls.py deaf [stall_timeout]   the same, and rank 1 ignores SIGINT (a rank an interrupt cannot end)
     python stalls.py spawn_hang             the same under ddp_spawn, rank 0 waiting in fabric.all_reduce
+    python stalls.py fork_hang              the same under ddp_notebook (processes forked)
     python stalls.py join [stall_timeout]   no launch(): joins the job the environment names (stale variables,
                                             torchrun); "join_deaf": and rank 1 ignores SIGINT
 
@@ -50,8 +51,8 @@ def all_reduce_forever(fabric: Fabric) -> None:
 if __name__ == "__main__":
     mode = sys.argv[1]
     stall_timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
-    if mode == "spawn_hang":
-        strategy = DDPStrategy(start_method="spawn", stall_timeout=stall_timeout)
+    if mode in ("spawn_hang", "fork_hang"):
+        strategy = DDPStrategy(start_method=mode[: -len("_hang")], stall_timeout=stall_timeout)
         Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(all_reduce_forever)
     else:
         fabric = Fabric(accelerator="cpu", devices=2, strategy=DDPStrategy(stall_timeout=stall_timeout))
