@@ -81,10 +81,20 @@ def stop_on_interrupt(children: list[subprocess.Popen]) -> None:
         os.close(write_fd)
         return
     _guarded = True
+    os.register_at_fork(after_in_child=_forget_interrupts)  # DataLoader workers must not write into this pipe
     main_id = threading.get_ident()
     threading.Thread(
         target=_watch_interrupts, args=(read_fd, children, main_id), name="fabriclite-interrupts", daemon=True
     ).start()
+
+
+def _forget_interrupts() -> None:
+    global _guarded
+    _guarded = False
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # forked from a thread other than the main one: the child has no wakeup fd to clear
+        pass
 
 
 def _watch_interrupts(read_fd: int, children: list[subprocess.Popen], main_id: int) -> None:

@@ -111,3 +111,18 @@ def test_sigint_to_a_ddp_notebook_parent_stops_the_processes_it_forked():
     code, output, pids = interrupt_when_waiting("fork_hang")
     assert code in (-signal.SIGINT, 128 + signal.SIGINT), output[-3000:]
     assert len(pids) == 2 and still_running(pids, within=30) == []
+
+
+FORK_AFTER_GUARD = """
+import os, signal
+from fabriclite.launcher import stop_on_interrupt
+stop_on_interrupt([])
+pid = os.fork()
+if pid == 0:  # a DataLoader worker, say: its signals must not reach the parent's interrupt thread
+    os._exit(0 if signal.set_wakeup_fd(-1) == -1 else 3)
+print('child exit', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_a_process_forked_after_the_interrupt_guard_does_not_share_its_pipe():
+    assert "child exit 0" in run_python("-c", FORK_AFTER_GUARD, timeout=60).stdout
