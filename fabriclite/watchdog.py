@@ -38,6 +38,7 @@ from fabriclite.plugins.environments import ProcessEnvironment
 _KEY = "fabriclite/watchdog/rank{}"
 _SAMPLE_S = 1.0
 _REPEAT_S = 300.0  # while a wait lasts, the report comes again every five minutes
+_STORE_TIMEOUT_S = 5.0  # one store call, at most
 _MAX_LISTED = 8  # ranks listed by name in one report; the rest are counted
 
 # The call the user's code made into fabriclite or torch is "the operation" a rank is in.
@@ -144,7 +145,11 @@ class StallWatchdog:
         return True
 
     def stop(self) -> None:
+        """End the thread and wait for it: a daemon thread still inside a store call when the interpreter shuts
+        down is ended in a way C++ code cannot survive (the process aborts), so this runs before that."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * _STORE_TIMEOUT_S)
 
     def _run(self) -> None:
         held: FrameType | None = None  # holding the frame keeps its identity: a new call is a new frame object
@@ -174,9 +179,8 @@ class StallWatchdog:
                 if operation is not None and waited >= self.stall_timeout and now - last_report >= _REPEAT_S:
                     if self._report(state, waited, now):
                         last_report = now
-        except Exception as error:  # the store went away: the run is ending; the dead-rank path says why
-            if not self._stop.is_set():
-                print(f"fabriclite: stall watchdog of rank {self.rank} stopped: {error}", file=sys.stderr, flush=True)
+        except Exception:  # the store went away with rank 0: the run is ending, and the dead-rank path says why
+            pass
 
     def _others(self) -> dict[int, dict[str, Any] | None]:
         keys = [_KEY.format(rank) for rank in range(self.world_size) if rank != self.rank]
@@ -255,7 +259,7 @@ def _connect_store() -> Any:
     if not address or not port:
         return None
     try:
-        store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=30))
+        store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=_STORE_TIMEOUT_S))
     except (RuntimeError, ValueError, OSError):
         return None
     return dist.PrefixStore(f"fabriclite-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/", store)
