@@ -215,3 +215,58 @@ def test_scaler_state_is_saved_and_restored(tmp_path):
     assert fresh._precision.scaler.get_scale() != scale
     fresh.load(tmp_path / "c.ckpt", {"model": fresh_model, "optimizer": fresh_opt})
     assert fresh._precision.scaler.get_scale() == scale
+
+
+def setup_with_plugin(plugin):
+    fabric = Fabric(accelerator="cpu", plugins=[plugin])
+    model = tiny()
+    return fabric, *fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def non_finite_steps(fabric, model, optimizer, steps):
+    for _ in range(steps):
+        fabric.backward(model(torch.randn(3, 4)).float().sum() * float("inf"))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("plugin", [precision_module.MixedPrecision, precision_module.TruePrecision])
+def test_a_long_run_of_non_finite_steps_stops_the_scale_at_its_floor_and_never_writes_nan(plugin):
+    name = "16-mixed" if plugin is precision_module.MixedPrecision else "16-true"
+    fabric, model, optimizer = setup_with_plugin(plugin(name, torch.device("cpu"), max_skipped_steps=None))
+    non_finite_steps(fabric, model, optimizer, 170)  # a plain GradScaler halves its scale to exactly 0.0 by now
+    assert fabric._precision.scaler.get_scale() == 2.0**-16
+    fabric.backward(model(torch.randn(3, 4)).float().mean())
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_too_many_non_finite_steps_in_a_row_stop_the_run_saying_why():
+    plugin = precision_module.MixedPrecision("16-mixed", torch.device("cpu"), max_skipped_steps=5)
+    fabric, model, optimizer = setup_with_plugin(plugin)
+    non_finite_steps(fabric, model, optimizer, 4)
+    fabric.backward(model(torch.randn(3, 4)).float().mean())  # a finite step starts the count again
+    optimizer.step()
+    non_finite_steps(fabric, model, optimizer, 4)
+    with pytest.raises(FloatingPointError, match="inf or NaN for 5 optimizer steps in a row.*bf16-mixed"):
+        non_finite_steps(fabric, model, optimizer, 1)
+
+
+def test_the_count_of_skipped_steps_travels_in_the_precision_state():
+    fabric, model, optimizer = setup("16-mixed")
+    non_finite_steps(fabric, model, optimizer, 3)
+    state = fabric._precision.state_dict()
+    assert state["skipped_in_a_row"] == 3
+    fresh = precision_module.MixedPrecision("16-mixed", torch.device("cpu"))
+    fresh.load_state_dict(state)
+    assert fresh.scaler.skipped_in_a_row == 3 and fresh.scaler.get_scale() == fabric._precision.scaler.get_scale()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"min_scale": 0}, "min_scale=0 must be a number > 0"),
+    ({"max_skipped_steps": 0}, "max_skipped_steps=0 must be an int >= 1, or None"),
+    ({"max_skipped_steps": 2.5}, "max_skipped_steps=2.5 must be an int"),
+])  # fmt: skip
+def test_invalid_scaler_limits_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        precision_module.MixedPrecision("16-mixed", torch.device("cpu"), **kwargs)

@@ -37,7 +37,36 @@ def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
     return apply_to_collection(data, torch.Tensor, _cast_floating, dtype)
 
 
-class _HalfGradScaler(torch.amp.GradScaler):
+MIN_SCALE = 2.0**-16
+MAX_SKIPPED_STEPS = 50
+
+
+class _FabricGradScaler(torch.amp.GradScaler):
+    """GradScaler whose scale never drops below ``min_scale``, and that counts the steps it skipped in a row.
+
+    A plain GradScaler halves the scale at every non-finite step: after about 170 in a row it is exactly 0.0, and
+    the next finite step writes NaN into every weight (0 * inf). Here the scale stops at the floor, and
+    ``skipped_in_a_row`` tells the precision when to stop the run with an explanation instead.
+    """
+
+    def __init__(self, device: str, min_scale: float) -> None:
+        super().__init__(device)
+        self.min_scale = min_scale
+        self.skipped_in_a_row = 0
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        # The same test GradScaler makes right after (it synchronizes there anyway): any inf/nan found skips.
+        skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        super().update(new_scale)
+        if self._enabled and self._scale is not None:
+            self._scale.clamp_(min=self.min_scale)  # on the device: no synchronization
+
+
+class _HalfGradScaler(_FabricGradScaler):
     """GradScaler that also unscales fp16 gradients, which "16-true" has (all parameters are fp16).
 
     PyTorch refuses that by default because unscaled fp16 gradients may underflow; with true half precision
@@ -104,12 +133,23 @@ class _ScaledPrecision(Precision):
             tensor = self.scaler.scale(tensor)
         tensor.backward(*args, **kwargs)
 
+    max_skipped_steps: int | None = MAX_SKIPPED_STEPS
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         if self.scaler is None:
             return optimizer.step(**kwargs)
-        # The scaler skips the step when it finds inf/nan gradients, then backs off or grows the scale.
+        # The scaler skips the step when it finds inf/nan gradients, then backs off (to its floor) or grows the scale.
         result = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
+        skipped = getattr(self.scaler, "skipped_in_a_row", 0)  # a scaler of the user's may not count
+        if self.max_skipped_steps is not None and skipped >= self.max_skipped_steps:
+            raise FloatingPointError(
+                f"The loss or the gradients have been inf or NaN for {skipped} optimizer steps in a row; the fp16 loss "
+                f"scaler skipped each one and lowered the scale to {self.scaler.get_scale():.3g}. Usual causes: a "
+                "learning rate too high, activations that overflow fp16 (try precision='bf16-mixed'), inf or NaN in "
+                "the inputs or the loss itself, or no gradient clipping. To allow longer runs of skipped steps, pass "
+                f"max_skipped_steps (now {self.max_skipped_steps}; None never stops) to the precision plugin."
+            )
         return result
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
@@ -117,26 +157,48 @@ class _ScaledPrecision(Precision):
             self.scaler.unscale_(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+        if self.scaler is None:
+            return {}
+        return {"scaler": self.scaler.state_dict(), "skipped_in_a_row": getattr(self.scaler, "skipped_in_a_row", 0)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+            if hasattr(self.scaler, "skipped_in_a_row"):
+                self.scaler.skipped_in_a_row = state.get("skipped_in_a_row", 0)
+
+    def _set_limits(self, min_scale: float, max_skipped_steps: int | None) -> None:
+        if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) or not min_scale > 0:
+            raise ValueError(f"min_scale={min_scale!r} must be a number > 0 (the default is 2**-16).")
+        if max_skipped_steps is not None and (
+            isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1
+        ):
+            raise ValueError(f"max_skipped_steps={max_skipped_steps!r} must be an int >= 1, or None to never stop.")
+        self.max_skipped_steps = max_skipped_steps
 
 
 class MixedPrecision(_ScaledPrecision):
     """ "bf16-mixed" and "16-mixed": fp32 weights, forward under ``torch.autocast``, floating outputs back in fp32.
 
+    With fp16 the loss is scaled; the scale never drops below ``min_scale``, and ``max_skipped_steps`` non-finite
+    steps in a row raise ``FloatingPointError`` explaining the usual causes (None: never).
     Usage: ``MixedPrecision("bf16-mixed", torch.device("cpu"))``.
     """
 
     passthrough = False
 
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        name: str,
+        device: torch.device,
+        min_scale: float = MIN_SCALE,
+        max_skipped_steps: int | None = MAX_SKIPPED_STEPS,
+    ) -> None:
+        self._set_limits(min_scale, max_skipped_steps)
         self.name = name
         self.dtype = self.param_dtype = torch.bfloat16 if name == "bf16-mixed" else torch.float16
         self.device_type = device.type
-        self.scaler = torch.amp.GradScaler(device.type) if self.dtype == torch.float16 else None
+        self.scaler = _FabricGradScaler(device.type, min_scale) if self.dtype == torch.float16 else None
 
     def forward_context(self) -> ContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -149,16 +211,24 @@ class MixedPrecision(_ScaledPrecision):
 class TruePrecision(_ScaledPrecision):
     """ "64-true", "bf16-true" and "16-true": the weights themselves in that dtype; inputs cast to it.
 
-    "16-true" also scales the loss (Lightning Fabric does not), because fp16 gradients underflow without it.
+    "16-true" also scales the loss (Lightning Fabric does not), because fp16 gradients underflow without it;
+    ``min_scale`` and ``max_skipped_steps`` work as in ``MixedPrecision``.
     Usage: ``TruePrecision("bf16-true", torch.device("cpu"))``.
     """
 
     passthrough = False
 
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        name: str,
+        device: torch.device,
+        min_scale: float = MIN_SCALE,
+        max_skipped_steps: int | None = MAX_SKIPPED_STEPS,
+    ) -> None:
+        self._set_limits(min_scale, max_skipped_steps)
         self.name = name
         self.dtype = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}[name]
-        self.scaler = _HalfGradScaler(device.type) if self.dtype == torch.float16 else None
+        self.scaler = _HalfGradScaler(device.type, min_scale) if self.dtype == torch.float16 else None
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         # Floating parameters and buffers only: ``module.to(dtype)`` would also turn complex buffers (RoPE tables,
