@@ -6,6 +6,11 @@ Deadlock-freedom rests on one rule: the sequence of collectives depends only on 
 arguments every rank passes, and tables that were themselves all-gathered), never on a rank's local data. That is
 why a rank with nothing to contribute still joins every gather, and why shapes are exchanged first.
 
+A DTensor (FSDP's parameters, tensor-parallel outputs) takes part with its full value: ``full_value`` turns it into
+the plain tensor ``.full_tensor()`` gives (itself a collective, so every rank must pass its DTensor), and the
+collective runs on that. So ``all_reduce(sum(p.sum() for p in model.parameters()), "sum")`` gives under FSDP what
+it gives under DDP, and every result is a plain tensor.
+
 Usage::
 
     total = all_reduce(loss, "sum")
@@ -14,10 +19,13 @@ Usage::
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fabriclite._collections import apply_to_collection
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 # "mean" is a sum divided by the number of ranks afterwards.
@@ -50,6 +58,16 @@ def check_reduce_op(reduce_op: Any) -> str:
     if not isinstance(reduce_op, str) or reduce_op.lower() not in REDUCE_OPS:
         raise ValueError(f"reduce_op={reduce_op!r} is not supported. Valid choices: {', '.join(REDUCE_OPS)}.")
     return reduce_op.lower()
+
+
+def full_value(data: Any) -> Any:
+    """``data`` with every DTensor in it replaced by its full value as a plain tensor (a collective: every rank of
+    the DTensor's mesh must call it); anything else unchanged. Usage: ``full_value(model.weight)``.
+    """
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor can exist before it is imported
+    if tensor_module is None:
+        return data
+    return apply_to_collection(data, tensor_module.DTensor, lambda t: t.full_tensor())
 
 
 def is_distributed(group: Any = None) -> bool:

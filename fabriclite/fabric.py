@@ -347,18 +347,21 @@ class Fabric:
         self._strategy.barrier(name=name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Send a picklable object from rank ``src`` to every process."""
+        """Send a picklable object from rank ``src`` to every process (a DTensor in it as its full value; every rank
+        must then pass its DTensor)."""
         self._check_launched("broadcast")
         return self._strategy.broadcast(obj, src=src)
 
     def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
-        """Gather tensors (or numbers, or collections of them) from every process."""
+        """Gather tensors (or numbers, or collections of them) from every process; a DTensor (an FSDP parameter, say)
+        takes part with its full value, so the result is what DDP's plain tensors would give."""
         self._check_launched("all_gather")
         data = convert_to_tensors(data, self.device)
         return apply_to_collection(data, torch.Tensor, self._strategy.all_gather, group=group, sync_grads=sync_grads)
 
     def all_reduce(self, data: Any, group: Any = None, reduce_op: str = "mean") -> Any:
-        """Reduce tensors (or numbers, or collections of them) over every process with "mean", "sum", "max" or "min"."""
+        """Reduce tensors (or numbers, or collections of them) over every process with "mean", "sum", "max" or "min";
+        a DTensor takes part with its full value and the result is a plain tensor."""
         self._check_launched("all_reduce")
         reduce_op = check_reduce_op(reduce_op)
         data = convert_to_tensors(data, self.device)

@@ -19,6 +19,7 @@ CHECKS = [
     "all_reduce mean",
     "all_reduce sum/max/min",
     "broadcast",
+    "all_reduce of a DTensor reduces its full value",
     "shards are disjoint and cover the data",
     "set_epoch reshuffles every epoch",
     "a user's sampler is sharded",

@@ -17,6 +17,9 @@ from fabriclite.strategies.fsdp import FSDPStrategy, repeated_blocks
 CHECKS = [
     "parameters are DTensors",
     "each rank holds about half of the parameters",
+    "all_reduce of a DTensor reduces its full value",
+    "all_gather of a DTensor gathers its full value",
+    "broadcast of a DTensor sends its full value",
     "the repeated blocks are the sharding units",
     "an optimizer built before setup steps the shards",
     "FSDP equals one process on the whole batch",

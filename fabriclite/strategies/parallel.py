@@ -175,15 +175,18 @@ class ParallelStrategy(Strategy):
         if dist.is_initialized():
             dist.barrier()
 
+    # DTensors (FSDP parameters) take part with their full value: see fabriclite.collectives.
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast_object(obj, src) if dist.is_initialized() else obj
+        return collectives.broadcast_object(collectives.full_value(obj), src) if dist.is_initialized() else obj
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return collectives.all_gather_object(obj) if dist.is_initialized() else [obj]
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: str = "mean") -> torch.Tensor:
-        return collectives.all_reduce(tensor, reduce_op, group) if dist.is_initialized() else tensor
+        return collectives.all_reduce(collectives.full_value(tensor), reduce_op, group) if dist.is_initialized() else tensor
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> Any:
         """Stack every rank's tensor along a new first dimension; when first dimensions differ, return the list."""
-        return collectives.all_gather(tensor, group, sync_grads) if dist.is_initialized() else tensor
+        if not dist.is_initialized():
+            return tensor
+        return collectives.all_gather(collectives.full_value(tensor), group, sync_grads)

@@ -9,6 +9,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
 from fabriclite import Fabric, seed_everything
@@ -47,6 +49,9 @@ check(
     [fabric.all_reduce(value, reduce_op=op).item() for op in ("sum", "max", "min")] == [3.0, 2.0, 1.0],
 )
 check("broadcast", fabric.broadcast({"from": rank}) == {"from": 0})
+mesh = init_device_mesh("cpu", (2,))  # a DTensor of the user's own under DDP: collectives see its full value
+sharded = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+check("all_reduce of a DTensor reduces its full value", torch.equal(fabric.all_reduce(sharded, reduce_op="sum"), 2 * torch.arange(4.0)))
 fabric.barrier()
 
 # Data: each rank gets its own shard, reshuffled every epoch, padded to equal length.

@@ -61,6 +61,18 @@ def main():
     total = sum(p.numel() for p in model.parameters())
     counts = fabric.all_gather(torch.tensor(local))
     check("each rank holds about half of the parameters", counts.sum() == total and abs(local / total - 0.5) < 0.05)
+
+    # Collectives given DTensors work on their full value: the same results as the plain tensors under DDP.
+    reduced = fabric.all_reduce(sum(p.sum() for p in model.parameters()), reduce_op="sum")
+    expected = 2 * sum(p.sum() for p in reference.parameters())
+    check("all_reduce of a DTensor reduces its full value", type(reduced) is torch.Tensor and torch.allclose(reduced, expected, atol=1e-4))
+    gathered = fabric.all_gather(model.module.head.weight)
+    check(
+        "all_gather of a DTensor gathers its full value",
+        type(gathered) is torch.Tensor and torch.equal(gathered, torch.stack([reference.head.weight.detach()] * 2)),
+    )
+    sent = fabric.broadcast({"weight": model.module.head.weight}, src=1)["weight"]
+    check("broadcast of a DTensor sends its full value", type(sent) is torch.Tensor and torch.equal(sent, reference.head.weight))
     check(
         "the repeated blocks are the sharding units",
         all(isinstance(b, FSDPModule) for b in model.module.blocks)
