@@ -116,3 +116,23 @@ def still_running(pids: list[int], within: float) -> list[int]:
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     return [pid for pid in pids if alive(pid)]
+
+
+def run_on_small_disk(tmp_path: Path, size: str, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``python SCRIPTS/script DISK *args`` where DISK is a fresh tmpfs of ``size`` (e.g. "2m"), mounted in a
+    private mount namespace (``unshare --mount``; as a normal user also ``--user --map-root-user``), so the script
+    can fill a disk for real. Skips the test where that is impossible (not Linux, no ``unshare``, namespaces
+    disallowed)."""
+    import shutil
+
+    import pytest
+
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        pytest.skip("needs Linux `unshare` (a private mount namespace) to fill a small tmpfs for real")
+    base = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
+    if subprocess.run([*base, "true"], capture_output=True, timeout=60).returncode != 0:
+        pytest.skip("this machine does not allow a private mount namespace (`unshare --mount`)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = f"mount -t tmpfs -o size={size} tmpfs {disk} && exec {sys.executable} {SCRIPTS / script} {disk} {' '.join(args)}"
+    return subprocess.run([*base, "sh", "-c", command], capture_output=True, text=True, timeout=300, env=python_env())

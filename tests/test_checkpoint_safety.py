@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import SCRIPTS, assert_passed, python_env, run_python
+from helpers import SCRIPTS, assert_passed, python_env, run_on_small_disk, run_python
 from torch import nn
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
@@ -297,23 +297,9 @@ def test_saved_files_and_folders_follow_the_umask(tmp_path, umask, file_mode, di
 
 
 # ---------------------------------------------------------------------- 5. a full disk
-def _tmpfs_command():
-    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
-        return None
-    base = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
-    probe = subprocess.run([*base, "true"], capture_output=True, timeout=60)
-    return base if probe.returncode == 0 else None
-
-
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_full_disk_says_so_keeps_the_previous_checkpoint_and_leaves_nothing_behind(tmp_path, sharded):
-    base = _tmpfs_command()
-    if base is None:
-        pytest.skip("needs Linux `unshare` (a private mount namespace) to fill a small tmpfs for real")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    script = f"mount -t tmpfs -o size=2m tmpfs {disk} && exec {sys.executable} {SCRIPTS / 'checkpoint_disk_full.py'} {disk} {'sharded' if sharded else 'file'}"
-    result = subprocess.run([*base, "sh", "-c", script], capture_output=True, text=True, timeout=300, env=python_env())
+    result = run_on_small_disk(tmp_path, "2m", "checkpoint_disk_full.py", "sharded" if sharded else "file")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS disk full" in result.stdout, result.stdout + result.stderr
 

@@ -8,8 +8,8 @@ Usage::
     fabric = Fabric(loggers=[CSVLogger("logs"), TensorBoardLogger("logs")])
 """
 
-from fabriclite.loggers.base import Logger
+from fabriclite.loggers.base import Logger, LoggerError
 from fabriclite.loggers.csv_logs import CSVLogger
 from fabriclite.loggers.tensorboard import TensorBoardLogger
 
-__all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]
+__all__ = ["CSVLogger", "Logger", "LoggerError", "TensorBoardLogger"]

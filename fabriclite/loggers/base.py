@@ -63,6 +63,14 @@ class Logger(ABC):
         self.save()
 
 
+class LoggerError(OSError):
+    """A logger could not write its files: ``.filename`` is the file or folder, ``.errno`` the system's code, and
+    the message says what to do. Usage: ``except LoggerError as err: print(err.filename)``."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
 class _VersionedLogger(Logger):
     """A logger writing under ``root_dir/name/version_N``, the folder layout of Lightning's loggers."""
 
@@ -107,6 +115,25 @@ class _VersionedLogger(Logger):
         """The folder this run writes to: ``root_dir/name/version_N``, or the str version as is."""
         version = self.version if isinstance(self.version, str) else f"version_{self.version}"
         return os.path.join(self.root_dir, version)
+
+    def _check_writable(self) -> None:
+        """Create ``log_dir``, or raise an ``OSError`` naming it and what is in the way (a file where a folder
+        should be, no permission, a read-only file system)."""
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            probe = os.path.join(self.log_dir, f".write-test-{os.getpid()}")
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as err:
+            in_the_way = isinstance(err, (FileExistsError, NotADirectoryError))
+            reason = "a file is where a folder should be" if in_the_way else (err.strerror or str(err))
+            raise LoggerError(
+                err.errno,
+                f"{type(self).__name__} cannot write into {self.log_dir}: {reason}. Pass a root_dir it can create "
+                "and write, or remove what is in the way.",
+                self.log_dir,
+            ) from err
 
     def _prepare_metrics(self, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Check ``metrics``, turn 0-dim tensors into python numbers and apply the prefix."""

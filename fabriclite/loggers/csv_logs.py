@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import csv
 import os
+import sys
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from fabriclite.loggers.base import _number, _params_dict, _VersionedLogger
+from fabriclite.loggers.base import LoggerError, _number, _params_dict, _VersionedLogger
 
 
 class CSVLogger(_VersionedLogger):
     """Log to ``root_dir/name/version_N/metrics.csv``, the layout of Lightning Fabric's ``CSVLogger``.
 
-    Rows are buffered and written every ``flush_logs_every_n_steps`` calls to ``log_metrics``, on
-    ``save()`` and on ``finalize()``. The header is the union of all metric names seen plus ``step``;
-    when new names appear, the file is rewritten under the wider header.
+    Rows are buffered and written every ``flush_logs_every_n_steps`` calls to ``log_metrics``, at least every
+    10 seconds, on ``save()``, on ``finalize()`` and when the interpreter exits. The header is the union of all
+    metric names seen plus ``step``; when new names appear, the file is rewritten under the wider header.
+
+    The first row checks that ``log_dir`` can be written, and raises an ``OSError`` naming it if not. A write that
+    fails raises, naming the file and the rows not written; those rows stay buffered, and the next write tries
+    again. Rows that cannot be written at exit are reported on stderr, never dropped in silence.
 
     Usage::
 
@@ -50,6 +57,7 @@ class CSVLogger(_VersionedLogger):
         self._columns_on_disk: list[str] | None = None  # None until this logger first writes the file
         self._rows_logged = 0
         self._hparams: dict[str, Any] = {}
+        self._last_save = time.monotonic()
 
     @property
     def experiment(self) -> _ExperimentWriter:
@@ -76,13 +84,16 @@ class CSVLogger(_VersionedLogger):
             step = step.item()
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int or None, got {type(step).__name__}: {step!r}")
+        if self._rows_logged == 0 and self._columns_on_disk is None:
+            self._check_writable()  # at the first row, as Lightning: not hours later, at the first flush
         row["step"] = step
         for key in row:
             if key not in self._columns:
                 self._columns.append(key)
         self._rows.append(row)
         self._rows_logged += 1
-        if len(self._rows) >= self._flush_every:
+        _UNSAVED.add(self)
+        if len(self._rows) >= self._flush_every or time.monotonic() - self._last_save >= _SAVE_EVERY_S:
             self.save()
 
     def log_hyperparams(self, params: Mapping[str, Any] | argparse.Namespace) -> None:
@@ -102,13 +113,32 @@ class CSVLogger(_VersionedLogger):
 
         Usage: ``logger.save()``
         """
+        self._last_save = time.monotonic()
         if not self._rows:
             return
-        os.makedirs(self.log_dir, exist_ok=True)
         path = os.path.join(self.log_dir, "metrics.csv")
+        try:
+            self._write(path)
+        except OSError as err:
+            raise LoggerError(
+                err.errno,
+                f"{_unwritten(len(self._rows), path, err)}. They stay buffered: the next fabric.log or logger.save() "
+                "tries again.",
+                path,
+            ) from err
+        self._rows.clear()
+        _UNSAVED.discard(self)
+
+    def _write(self, path: str) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
         if self._columns_on_disk == self._columns:
-            with open(path, "a", newline="") as file:
-                csv.DictWriter(file, fieldnames=self._columns).writerows(self._rows)
+            size = os.path.getsize(path)
+            try:
+                with open(path, "a", newline="") as file:
+                    csv.DictWriter(file, fieldnames=self._columns).writerows(self._rows)
+            except OSError:
+                os.truncate(path, size)  # no half-written rows: a retry appends them whole
+                raise
         else:
             if self._columns_on_disk is None:
                 old_rows = []
@@ -130,13 +160,27 @@ class CSVLogger(_VersionedLogger):
                 writer.writerows(self._rows)
             os.replace(tmp_path, path)
             self._columns_on_disk = list(self._columns)
-        self._rows.clear()
 
-    def __del__(self) -> None:
-        # A script that never calls finalize() still gets its rows: the logger flushes itself when it is
-        # collected, at the latest when the interpreter exits, without registering anything global.
-        if getattr(self, "_rows", None):
-            self.save()
+
+_SAVE_EVERY_S = 10.0
+_UNSAVED: set[CSVLogger] = set()  # loggers holding rows not yet on disk; saved at exit
+
+
+@atexit.register
+def _save_at_exit() -> None:
+    # A script that never calls finalize() still gets its rows. A failure here cannot raise to anyone: say what
+    # was lost, where, and why.
+    for logger in list(_UNSAVED):
+        try:
+            logger.save()
+        except OSError as err:
+            cause = err.__cause__ if isinstance(err.__cause__, OSError) else err
+            lost = _unwritten(len(logger._rows), err.filename, cause)
+            print(f"fabriclite: {lost}; the run is ending, so these rows are lost.", file=sys.stderr, flush=True)
+
+
+def _unwritten(rows: int, path: str, err: OSError) -> str:
+    return f"CSVLogger could not write {rows} rows to {path}: {err.strerror or err}"
 
 
 class _ExperimentWriter:

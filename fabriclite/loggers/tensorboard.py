@@ -86,6 +86,7 @@ class TensorBoardLogger(_VersionedLogger):
                 from torch.utils.tensorboard import SummaryWriter
             except ModuleNotFoundError as err:
                 raise ModuleNotFoundError(_MISSING) from err
+            self._check_writable()  # the writer's own thread would only print its failures
             self._experiment = SummaryWriter(log_dir=self.log_dir, **self._kwargs)
         return self._experiment
 

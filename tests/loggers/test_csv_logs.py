@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from fabriclite.loggers import CSVLogger
+from helpers import run_on_small_disk, run_python
 
 
 def read_rows(logger):
@@ -231,3 +232,40 @@ def test_variables_in_root_dir_are_not_expanded_as_in_lightning(tmp_path, monkey
     logger.finalize("success")
     assert logger.log_dir == os.path.join("$FABRICLITE_TEST_LOGS", "exp", "version_0")
     assert (tmp_path / "$FABRICLITE_TEST_LOGS" / "exp" / "version_0" / "metrics.csv").is_file()
+
+
+def test_a_file_where_the_folder_should_be_raises_at_the_first_row_naming_it(tmp_path):
+    (tmp_path / "logs").write_text("not a folder")
+    logger = CSVLogger(tmp_path / "logs", name="run")
+    with pytest.raises(OSError, match=r"CSVLogger cannot write into .*logs.run.version_0: a file is where a folder"):
+        logger.log_metrics({"loss": 1.0}, step=0)
+
+
+def test_a_full_disk_raises_naming_the_file_and_the_rows_are_written_once_space_is_freed(tmp_path):
+    result = run_on_small_disk(tmp_path, "1m", "logger_disk_full.py")
+    assert "PASS disk full" in result.stdout, result.stdout + result.stderr
+
+
+EXIT_WITHOUT_FINALIZE = """
+import os, shutil, sys
+from fabriclite.loggers import CSVLogger
+logger = CSVLogger(sys.argv[1], name="run", version=0)
+for step in range(5):
+    logger.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+if sys.argv[2] == "break":  # the folder becomes a file before the rows reach the disk
+    shutil.rmtree(logger.log_dir)
+    open(logger.log_dir, "w").close()
+"""
+
+
+def test_rows_not_yet_written_reach_the_disk_when_the_script_ends_without_finalize(tmp_path):
+    run_python("-c", EXIT_WITHOUT_FINALIZE, str(tmp_path), "keep", timeout=120)
+    lines = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert lines[0] == "step,loss" and len(lines) == 6
+
+
+def test_rows_that_cannot_be_written_at_exit_are_reported_with_the_file_not_dropped_in_silence(tmp_path):
+    result = run_python("-c", EXIT_WITHOUT_FINALIZE, str(tmp_path), "break", timeout=120, check=False)
+    assert "fabriclite: CSVLogger could not write 5 rows to" in result.stderr, result.stderr
+    assert "metrics.csv" in result.stderr and "these rows are lost" in result.stderr
+    assert "Exception ignored" not in result.stderr

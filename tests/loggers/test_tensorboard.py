@@ -239,3 +239,10 @@ def test_variables_and_home_in_the_path_are_expanded_as_in_lightning(tmp_path, m
     monkeypatch.setenv("HOME", str(tmp_path))
     logger = TensorBoardLogger("~/tb", version="v$FABRICLITE_TEST_JOB")
     assert logger.log_dir == str(tmp_path / "tb" / "lightning_logs" / "v17")
+
+
+def test_a_file_where_the_folder_should_be_raises_at_the_first_log_naming_it(tmp_path):
+    (tmp_path / "tb").write_text("not a folder")
+    logger = TensorBoardLogger(tmp_path / "tb", name="run")
+    with pytest.raises(OSError, match=r"TensorBoardLogger cannot write into .*tb.run.version_0: a file is where"):
+        logger.log_metrics({"loss": 1.0}, step=0)
