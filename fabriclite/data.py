@@ -184,10 +184,16 @@ class _FabricDataLoader:
 
     def _mark_padding(self, sampler: Any, batch: Any) -> None:
         # Tell metrics which rows of this batch repeat samples that another rank also sees (fabriclite._padding).
-        batch_size = self._loader.batch_size or 1
+        # Padding is a property of the sampler's samples: batch k of a BatchSampler holds samples k*B .. k*B+B-1
+        # (the last one fewer, drop_last drops it whole); without one (batch_size=None) each sample is a batch of
+        # its own, so all of its rows share that sample's mark.
         rows = _batch_rows(batch)
-        if rows is not None:
-            set_padding(sampler.padding_mask(self._yielded * batch_size, rows))
+        if rows is None:
+            return
+        if self._loader.batch_size is None:
+            set_padding(sampler.padding_mask(self._yielded, 1).expand(rows))
+        else:
+            set_padding(sampler.padding_mask(self._yielded * self._loader.batch_size, rows))
 
     def _set_sampler_epoch(self) -> None:
         # A DistributedSampler shuffles by epoch number; Lightning leaves this call to the user, we don't.

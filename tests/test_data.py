@@ -1,10 +1,12 @@
-"""The wrapped loader's position: saved mid-epoch, restored in a fresh loader, continuing with the next batch."""
+"""The wrapped loader: its position (saved mid-epoch, restored in a fresh loader, continuing with the next batch), and
+the padding it marks for metrics under several processes."""
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
 from fabriclite import Fabric
+from helpers import SCRIPTS, assert_passed, run_python
 
 
 def make_loader(**kwargs):
@@ -121,3 +123,16 @@ def test_batches_of_dicts_and_tuples_come_through_unchanged():
     first = next(iter(loader))
     assert first["x"].flatten().tolist() == [0.0, 1.0, 2.0]
     assert list(first["meta"][1]) == ["name"] * 3
+
+
+PADDING_CHECKS = [
+    "batch_size=None: a repeated item is dropped with all its rows",
+    "batch_size=None with a worker process",
+    "batches of 3 over 11 samples, shuffled",
+    "drop_last counts the samples kept, each once",
+]
+
+
+def test_metrics_under_two_processes_drop_the_repeated_sample_whatever_the_batching():
+    output = run_python(str(SCRIPTS / "metric_padding.py"), timeout=300).stdout
+    assert_passed(output, PADDING_CHECKS)
