@@ -27,7 +27,12 @@ def run(name: str, implementation: str, tmp_path: Path) -> str:
     if implementation == "lightning":  # the one-line change, backwards
         text = re.sub(r"^(from|import) fabriclite\b", r"\1 lightning.fabric", text, flags=re.MULTILINE)
     (folder / name).write_text(text)
-    return run_python(str(folder / name), str(folder), timeout=300).stdout
+    result = run_python(str(folder / name), str(folder), timeout=300, check=implementation == "fabriclite")
+    # Lightning Fabric leaves its gloo process group alive into interpreter exit, where it sometimes aborts the
+    # process after the script has finished (about one run in three here); fabriclite tears it down first.
+    aborted_at_exit = result.returncode == -6 and "terminate called without an active exception" in result.stderr
+    assert result.returncode == 0 or aborted_at_exit, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
 
 
 def losses(output: str) -> dict[int, float]:
