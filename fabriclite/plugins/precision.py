@@ -126,7 +126,24 @@ class Precision:
 
 
 class _ScaledPrecision(Precision):
-    """Shared by the precisions that may carry a ``GradScaler`` (fp16 needs one, bf16 does not)."""
+    """Shared by the precisions that may carry a ``GradScaler`` (fp16 needs one, bf16 does not): ``DTYPES`` maps
+    the subclass's names to their dtypes; fp16 gets a ``SCALER`` whose scale stops at ``min_scale``."""
+
+    DTYPES: dict[str, torch.dtype] = {}
+    SCALER: type[_FabricGradScaler] = _FabricGradScaler
+
+    def __init__(
+        self,
+        name: str,
+        device: torch.device,
+        min_scale: float = MIN_SCALE,
+        max_skipped_steps: int | None = MAX_SKIPPED_STEPS,
+    ) -> None:
+        self._set_limits(min_scale, max_skipped_steps)
+        self.name = name
+        self.device_type = device.type
+        self.dtype = self.DTYPES[name]
+        self.scaler = self.SCALER(device.type, min_scale) if self.dtype == torch.float16 else None
 
     def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self.scaler is not None:
@@ -186,19 +203,11 @@ class MixedPrecision(_ScaledPrecision):
     """
 
     passthrough = False
+    DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
-    def __init__(
-        self,
-        name: str,
-        device: torch.device,
-        min_scale: float = MIN_SCALE,
-        max_skipped_steps: int | None = MAX_SKIPPED_STEPS,
-    ) -> None:
-        self._set_limits(min_scale, max_skipped_steps)
-        self.name = name
-        self.dtype = self.param_dtype = torch.bfloat16 if name == "bf16-mixed" else torch.float16
-        self.device_type = device.type
-        self.scaler = _FabricGradScaler(device.type, min_scale) if self.dtype == torch.float16 else None
+    @property
+    def param_dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self.dtype
 
     def forward_context(self) -> ContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -217,18 +226,8 @@ class TruePrecision(_ScaledPrecision):
     """
 
     passthrough = False
-
-    def __init__(
-        self,
-        name: str,
-        device: torch.device,
-        min_scale: float = MIN_SCALE,
-        max_skipped_steps: int | None = MAX_SKIPPED_STEPS,
-    ) -> None:
-        self._set_limits(min_scale, max_skipped_steps)
-        self.name = name
-        self.dtype = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}[name]
-        self.scaler = _HalfGradScaler(device.type, min_scale) if self.dtype == torch.float16 else None
+    DTYPES = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+    SCALER = _HalfGradScaler
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         # Floating parameters and buffers only: ``module.to(dtype)`` would also turn complex buffers (RoPE tables,
