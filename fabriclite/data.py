@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,6 +74,37 @@ def _batch_rows(batch: Any) -> int | None:
     return None
 
 
+class _RecordRepeats:
+    """An index sampler passing on the indices of ``inner`` as plain ints, after queueing for each batch which of its
+    samples are repeats (``_Repeat``): a list of bools, ``True`` for an unbatched item, or ``None`` when none is.
+    It runs in the main process, also with worker processes, which get their indices from it in order.
+
+    Usage: ``loader.batch_sampler = _RecordRepeats(batch_sampler, queue, batched=True)`` on a copy of the loader.
+    """
+
+    def __init__(self, inner: Any, queue: deque, batched: bool) -> None:
+        self.inner = inner
+        self.queue = queue
+        self.batched = batched
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        queue = self.queue
+        for indices in self.inner:
+            if not self.batched:
+                repeated = type(indices) is _Repeat
+                queue.append(True if repeated else None)
+                yield int(indices) if repeated else indices
+            elif any(type(i) is _Repeat for i in indices):
+                queue.append([type(i) is _Repeat for i in indices])
+                yield [int(i) for i in indices]
+            else:
+                queue.append(None)
+                yield indices
+
+
 class _SkipFirst:
     """An index sampler that leaves out the first ``skip`` items of ``inner``; used once, for a resumed epoch."""
 
@@ -129,6 +162,18 @@ class _FabricDataLoader:
         self._yielded = 0
         self._epoch_rng: dict[str, Any] | None = None
         self._resume_from: tuple[int, dict[str, Any]] | None = None
+        # Which samples of each batch repeat others (None: none does), queued in the order the loader draws its
+        # indices: worker processes prefetch, so the queue runs ahead of the batches yielded. Only for ranks whose
+        # shard has a repeated sample; the others iterate the loader as it is.
+        self._repeats: deque | None = None
+        self._iterated = loader
+        sampler = getattr(loader, "sampler", None)
+        # Batches coming back out of order (in_order=False) cannot be matched with their indices: distributed_loader
+        # warned that metrics will count the repeats twice.
+        in_order = loader.num_workers == 0 or getattr(loader, "in_order", True)
+        if isinstance(sampler, FabricDistributedSampler) and sampler.first_repeat < sampler.num_samples and in_order:
+            self._repeats = deque()
+            self._iterated = self._with_index_sampler(loader, loader._index_sampler)
 
     @property
     def loader(self) -> DataLoader:
@@ -146,6 +191,9 @@ class _FabricDataLoader:
         return getattr(self.__dict__["_loader"], name)
 
     def __iter__(self) -> Iterator[Any]:
+        repeats = self._repeats
+        if repeats is not None:
+            repeats.clear()  # what an abandoned epoch drew ahead
         if self._resume_from is not None:
             skip, rng = self._resume_from
             self._resume_from = None
@@ -154,16 +202,15 @@ class _FabricDataLoader:
             self._epochs_started += 1
             self._set_sampler_epoch()
             self._epoch_rng = _capture_loader_rng(self._loader)
-            batches = iter(self._loader)
+            batches = iter(self._iterated)
             skip = 0
         self._yielded = skip
         self._in_epoch = True
         device = self._device
-        padded = self._padding_source()
         try:
             for batch in batches:
-                if padded is not None:
-                    self._mark_padding(padded, batch)
+                if repeats is not None:
+                    self._mark_padding(repeats.popleft(), batch)
                 # Counted before the body of the user's loop runs, so a save inside it records this batch as used.
                 self._yielded += 1
                 yield batch if device is None else move_to_device(batch, device)
@@ -172,28 +219,27 @@ class _FabricDataLoader:
             self._in_epoch = False
             raise
         finally:
-            if padded is not None:
+            if repeats is not None:
                 set_padding(None)
 
-    def _padding_source(self) -> Any:
-        """The distributed sampler when this rank's shard has repeated samples, else None (nothing to mark)."""
-        sampler = getattr(self._loader, "sampler", None)
-        if not callable(getattr(sampler, "padding_mask", None)) or sampler.total_size == sampler.real_size:
-            return None
-        return sampler
+    def _with_index_sampler(self, loader: DataLoader, index_sampler: Any) -> DataLoader:
+        """A copy of ``loader`` drawing its indices from ``index_sampler`` through a ``_RecordRepeats``."""
+        recorded = copy.copy(loader)
+        object.__setattr__(recorded, "_iterator", None)
+        attr = "batch_sampler" if loader._auto_collation else "sampler"  # DataLoader forbids setting these after init
+        object.__setattr__(recorded, attr, _RecordRepeats(index_sampler, self._repeats, loader._auto_collation))
+        return recorded
 
-    def _mark_padding(self, sampler: Any, batch: Any) -> None:
+    def _mark_padding(self, repeats: Any, batch: Any) -> None:
         # Tell metrics which rows of this batch repeat samples that another rank also sees (fabriclite._padding).
-        # Padding is a property of the sampler's samples: batch k of a BatchSampler holds samples k*B .. k*B+B-1
-        # (the last one fewer, drop_last drops it whole); without one (batch_size=None) each sample is a batch of
-        # its own, so all of its rows share that sample's mark.
-        rows = _batch_rows(batch)
-        if rows is None:
-            return
-        if self._loader.batch_size is None:
-            set_padding(sampler.padding_mask(self._yielded, 1).expand(rows))
+        # A batch of samples has one row per sample; without batching (batch_size=None) the batch is one dataset
+        # item, and when that item is a repeat, all of its rows are.
+        if repeats is None:
+            set_padding(None)
+        elif repeats is True:
+            set_padding(torch.ones(_batch_rows(batch) or 1, dtype=torch.bool))
         else:
-            set_padding(sampler.padding_mask(self._yielded * self._loader.batch_size, rows))
+            set_padding(torch.tensor(repeats, dtype=torch.bool))
 
     def _set_sampler_epoch(self) -> None:
         # A DistributedSampler shuffles by epoch number; Lightning leaves this call to the user, we don't.
@@ -217,9 +263,12 @@ class _FabricDataLoader:
                 return it
             replay = copy.copy(self._loader)
             skipper = _SkipFirst(replay._index_sampler, skip)
-            attr = "batch_sampler" if replay._auto_collation else "sampler"
-            object.__setattr__(replay, attr, skipper)  # DataLoader forbids setting these after init
-            object.__setattr__(replay, "_iterator", None)
+            if self._repeats is not None:  # record after skipping: the skipped batches are never yielded
+                replay = self._with_index_sampler(replay, skipper)
+            else:
+                attr = "batch_sampler" if replay._auto_collation else "sampler"
+                object.__setattr__(replay, attr, skipper)  # DataLoader forbids setting these after init
+                object.__setattr__(replay, "_iterator", None)
             it = iter(replay)
             if skipper.last is not None:
                 skipper.last.prime()
@@ -261,58 +310,103 @@ def wrap_loader(
     return _FabricDataLoader(loader, device)
 
 
-class FabricDistributedSampler(DistributedSampler):
-    """``DistributedSampler`` that can say which of this rank's samples are padding (repeated to even out ranks),
-    so metrics can drop them. Over a user's own sampler, it shards that sampler's indices, drawn anew each epoch.
+class _Repeat(int):
+    """A sample index that a ``FabricDistributedSampler`` repeated to even out the ranks. Still an int, so batch
+    samplers sort and group it as any index; the loader reads the mark off each batch's indices (``_RecordRepeats``)
+    and hands plain ints on to the dataset."""
 
-    Usage: made by ``fabric.setup_dataloaders``; ``sampler.padding_mask(start, count)``.
+    __slots__ = ()
+
+
+class FabricDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` that marks the indices it repeats to even out the ranks (as ``_Repeat`` ints), so the
+    loader can tell metrics which samples to drop. Over a user's own sampler, it shards that sampler's indices, drawn
+    anew each epoch.
+
+    Usage: made by ``fabric.setup_dataloaders``; ``sampler.first_repeat < sampler.num_samples`` when this rank has one.
     """
 
     def __init__(self, dataset: Any, source: Sampler | None = None, **kwargs: Any) -> None:
         self.source = source
         super().__init__(dataset if source is None else range(len(source)), **kwargs)
         self.real_size = len(self.dataset)
+        # Sample i of this rank sits at position rank + i * num_replicas of the padded order; positions from
+        # real_size on repeat the first ones. With drop_last the order is cut instead, and nothing repeats.
+        self.first_repeat = max(0, -(-(self.real_size - self.rank) // self.num_replicas))
 
     def __iter__(self) -> Iterator[int]:
         if self.source is None:
-            return super().__iter__()
-        # Every rank must draw the same order from the user's sampler, whatever its global random state: draw it
-        # from a generator seeded by (seed, epoch), leaving the global stream untouched.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + self.epoch)
-            drawn = list(self.source)
-        return (drawn[i] for i in super().__iter__())
+            indices = super().__iter__()
+        else:
+            # Every rank must draw the same order from the user's sampler, whatever its global random state: draw
+            # it from a generator seeded by (seed, epoch), leaving the global stream untouched.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed + self.epoch)
+                drawn = list(self.source)
+            indices = (drawn[i] for i in super().__iter__())
+        if self.first_repeat >= self.num_samples:
+            return indices
+        return itertools.chain(itertools.islice(indices, self.first_repeat), map(_Repeat, indices))
 
-    def padding_mask(self, start: int, count: int) -> torch.Tensor:
-        """True for this rank's samples ``start .. start+count-1`` that are repeats of other samples."""
-        positions = self.rank + self.num_replicas * torch.arange(start, start + count)
-        return positions >= self.real_size
+
+def _shard_sampler(dataset: Any, sampler: Sampler, common: dict[str, Any]) -> FabricDistributedSampler:
+    # A plain shuffle or sequence over the whole dataset is DistributedSampler's own; any other sampler (its own
+    # generator, a subset, drawing with replacement) is drawn from and its draws are sharded.
+    plain = (
+        type(sampler) in (RandomSampler, SequentialSampler)
+        and getattr(sampler, "generator", None) is None
+        and sampler.data_source is dataset
+        and not getattr(sampler, "replacement", False)
+        and len(sampler) == len(dataset)
+    )
+    if plain:
+        return FabricDistributedSampler(dataset, shuffle=isinstance(sampler, RandomSampler), **common)
+    return FabricDistributedSampler(dataset, source=sampler, shuffle=False, **common)
 
 
 def distributed_loader(dataloader: DataLoader, num_replicas: int, rank: int, seed: int) -> DataLoader:
     """This rank's shard of ``dataloader``: a copy with a ``FabricDistributedSampler``, keeping shuffle and seed.
-    Loaders over an ``IterableDataset``, or with a distributed sampler already, are returned as they are.
+    A custom ``batch_sampler`` is copied with its ``.sampler`` (the samples it groups into batches) sharded, so it
+    must draw its samples from that attribute, as ``BatchSampler`` does, and pass the indices on unchanged (sorted or
+    grouped as it likes) for the repeated one to stay marked. Loaders over an ``IterableDataset``, or with
+    a distributed sampler already, are returned as they are.
 
     Usage: ``loader = distributed_loader(loader, num_replicas=2, rank=0, seed=0)``.
     """
-    sampler = dataloader.sampler
+    batch_sampler = dataloader.batch_sampler
+    custom = batch_sampler is not None and type(batch_sampler) is not BatchSampler
+    if custom and not hasattr(getattr(batch_sampler, "sampler", None), "__len__"):
+        raise ValueError(
+            f"The DataLoader uses a custom batch_sampler ({type(batch_sampler).__name__}) without a `.sampler` "
+            "attribute holding the sampler (with a length) whose indices it groups into batches, so fabriclite "
+            "cannot shard it. Give it one, as torch's BatchSampler has, or shard it yourself and pass "
+            "use_distributed_sampler=False."
+        )
+    sampler = batch_sampler.sampler if custom else dataloader.sampler
     if isinstance(dataloader.dataset, IterableDataset) or isinstance(sampler, DistributedSampler):
         return dataloader
     common = {"num_replicas": num_replicas, "rank": rank, "seed": seed, "drop_last": False}
-    if type(sampler) in (RandomSampler, SequentialSampler) and getattr(sampler, "generator", None) is None:
-        new_sampler = FabricDistributedSampler(dataloader.dataset, shuffle=isinstance(sampler, RandomSampler), **common)
-    else:
-        new_sampler = FabricDistributedSampler(dataloader.dataset, source=sampler, shuffle=False, **common)
+    new_sampler = _shard_sampler(dataloader.dataset, sampler, common)
+    if (
+        new_sampler.total_size > new_sampler.real_size
+        and dataloader.num_workers > 0
+        and not getattr(dataloader, "in_order", True)
+    ):
+        warnings.warn(
+            f"The DataLoader has in_order=False, so fabriclite cannot tell which of its batches holds the "
+            f"{new_sampler.total_size - new_sampler.real_size} sample(s) DistributedSampler repeats to even out the "
+            f"ranks ({new_sampler.real_size} samples over {num_replicas}); metrics will count them twice. Set "
+            "in_order=True, or make the dataset's length a multiple of the number of processes.",
+            stacklevel=3,
+        )
     sharded = copy.copy(dataloader)
     object.__setattr__(sharded, "_iterator", None)
     object.__setattr__(sharded, "sampler", new_sampler)
-    batch_sampler = dataloader.batch_sampler
-    if batch_sampler is not None:
-        if type(batch_sampler) is not BatchSampler:
-            raise ValueError(
-                f"The DataLoader uses a custom batch_sampler ({type(batch_sampler).__name__}), which fabriclite "
-                "cannot shard. Shard it yourself and pass use_distributed_sampler=False."
-            )
+    if custom:
+        new_batch_sampler = copy.copy(batch_sampler)
+        new_batch_sampler.sampler = new_sampler
+        object.__setattr__(sharded, "batch_sampler", new_batch_sampler)
+    elif batch_sampler is not None:
         object.__setattr__(
             sharded, "batch_sampler", BatchSampler(new_sampler, batch_sampler.batch_size, batch_sampler.drop_last)
         )

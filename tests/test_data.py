@@ -6,6 +6,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
 from fabriclite import Fabric
+from fabriclite._padding import current_padding
+from fabriclite.data import _FabricDataLoader, distributed_loader
 from helpers import SCRIPTS, assert_passed, run_python
 
 
@@ -125,11 +127,65 @@ def test_batches_of_dicts_and_tuples_come_through_unchanged():
     assert list(first["meta"][1]) == ["name"] * 3
 
 
+def shard(loader, rank=1):
+    """Rank ``rank`` of 2's shard, wrapped as fabric.setup_dataloaders wraps it (no process group needed)."""
+    return _FabricDataLoader(distributed_loader(loader, num_replicas=2, rank=rank, seed=0), None)
+
+
+def marks(batches):
+    """Each batch's samples with the padding it marks (None: nothing to drop), read while it is the current one."""
+    out = []
+    for (values,) in batches:
+        padding = current_padding()
+        dropped = padding is not None and bool(padding.any())
+        out.append((values.long().tolist(), padding.tolist() if dropped else None))
+    return out
+
+
+def test_a_shard_resumed_mid_epoch_marks_the_same_repeated_sample():
+    # Rank 1 of 2 over 11 samples draws 1 3 5 7 9, then sample 0 again to match rank 0's six.
+    data = TensorDataset(torch.arange(11).float())
+    loader = shard(DataLoader(data, batch_size=2))
+    assert marks(loader) == [([1, 3], None), ([5, 7], None), ([9, 0], [False, True])]
+    it, _ = consume(loader, 1)  # kept open: a save inside the loop
+    fresh = shard(DataLoader(data, batch_size=2))
+    fresh.load_state_dict(loader.state_dict())
+    it.close()
+    assert marks(fresh) == [([5, 7], None), ([9, 0], [False, True])]
+    assert current_padding() is None
+
+
+def test_a_shard_without_repeats_marks_nothing():
+    assert marks(shard(DataLoader(TensorDataset(torch.arange(11).float()), batch_size=4), rank=0)) == [
+        ([0, 2, 4, 6], None),
+        ([8, 10], None),
+    ]
+
+
+def test_a_custom_batch_sampler_without_a_sampler_attribute_cannot_be_sharded():
+    class Fixed(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter([[0, 1], [2]])
+
+    with pytest.raises(ValueError, match=r"custom batch_sampler \(Fixed\) without a `\.sampler`"):
+        shard(DataLoader(TensorDataset(torch.arange(3).float()), batch_sampler=Fixed()))
+
+
+def test_out_of_order_workers_with_a_repeated_sample_warn_that_metrics_count_it_twice():
+    loader = DataLoader(TensorDataset(torch.arange(11).float()), batch_size=2, num_workers=1, in_order=False)
+    with pytest.warns(UserWarning, match=r"in_order=False.*1 sample\(s\).*count them twice"):
+        distributed_loader(loader, num_replicas=2, rank=1, seed=0)
+
+
 PADDING_CHECKS = [
     "batch_size=None: a repeated item is dropped with all its rows",
     "batch_size=None with a worker process",
     "batches of 3 over 11 samples, shuffled",
     "drop_last counts the samples kept, each once",
+    "a custom batch sampler of uneven batches, shuffled",
+    "a batch sampler reordering its samples keeps the mark on the repeated one",
+    "uneven batches from a worker process, over two epochs after one left early",
+    "drop_last on a DistributedSampler counts the samples kept, each once",
 ]
 
 
