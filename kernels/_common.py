@@ -1,5 +1,6 @@
-"""What the op files share: launching a kernel (counted, with a clear error off the GPU), viewing a tensor as rows,
-and the launch sizes. Importing this imports triton; ``fabriclite.kernels`` imports it only when an op is used.
+"""What the op files share: launching a kernel (counted, with a clear error off the GPU), the dtypes the kernels
+take, viewing a tensor as rows, and the launch sizes. Importing this imports triton; ``fabriclite.kernels`` imports
+it only when an op is used.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import Counter
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import triton
@@ -37,6 +38,26 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         )
     LAUNCHES[kernel.__name__] += 1
     kernel[grid](*args, **meta)
+
+
+# The kernels load these, compute in fp32 and store in the tensor's dtype. float64 would come back rounded to fp32
+# precision in silence, so it is refused rather than computed.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_dtypes(op: str, torch_op: str, *tensors: Optional[torch.Tensor]) -> None:
+    """Raise a ``TypeError`` naming the dtype when one of ``tensors`` (None ones skipped) is not in
+    ``SUPPORTED_DTYPES``.
+
+    Usage: ``check_dtypes("rms_norm", "torch.nn.functional.rms_norm", x, weight)``.
+    """
+    for tensor in tensors:
+        if tensor is not None and tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"fabriclite.kernels.{op} got a {tensor.dtype} tensor; its Triton kernels compute in fp32 and take "
+                f"float32, bfloat16 and float16 only. Cast the tensors to one of those, or use {torch_op} (for a "
+                "float64 model: leave swap_modules and Fabric(kernels=True) off)."
+            )
 
 
 def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:

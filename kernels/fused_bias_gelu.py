@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import as_rows, contiguous_rows, launch, num_warps
+from fabriclite.kernels._common import as_rows, check_dtypes, contiguous_rows, launch, num_warps
 
 # Tile shape: at most BLOCK_N_MAX columns, and about TILE elements per program.
 BLOCK_N_MAX = 1024
@@ -205,6 +205,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
             f"bias_gelu needs a 1-D bias as long as x's last dimension; got x {tuple(x.shape)} and bias "
             f"{tuple(bias.shape)}."
         )
+    check_dtypes("bias_gelu", "torch.nn.functional.gelu(x + bias)", x, bias)
     return torch.ops.fabriclite.bias_gelu(x, bias, approximate)
 
 

@@ -1,10 +1,14 @@
 """Cross-entropy over (N, C) logits whose gradient is computed in the forward.
 
-The forward kernel takes one row per program: a first sweep over the row keeps a running max, the running sum of
-exponentials (online softmax) and the running sum of logits (for label smoothing); a second sweep writes
-``softmax - smoothed one-hot`` (already scaled for the reduction) to a gradient buffer, so the probabilities are
-never stored. The backward only multiplies that buffer by ``grad_output``. The row is read twice (the second time
-mostly from L2) and the gradient written once, in the logits' dtype: no (N, C) fp32 temporary, no log-softmax.
+The forward kernel takes one row per program: a first sweep over the row keeps a running max m, the running sum d
+of ``exp(x - m)`` (online softmax) and the running sum of ``x - x_target`` (for label smoothing); a second sweep
+writes ``softmax - smoothed one-hot`` (already scaled for the reduction) to a gradient buffer, so the probabilities
+are never stored. The backward only multiplies that buffer by ``grad_output``. The row is read twice (the second
+time mostly from L2) and the gradient written once, in the logits' dtype: no (N, C) fp32 temporary, no log-softmax.
+
+Only differences of logits are formed: the loss is ``(m - x_target) + log(d)`` and the softmax ``exp(x - m) / d``.
+``lse = m + log(d)`` with x subtracted afterwards would keep only fp32's resolution at the logits' magnitude
+(1e-3 near 1e4), which a large common offset, harmless to the softmax, would turn into 1e-4 relative loss errors.
 
 Semantics are ``torch.nn.functional.cross_entropy`` without class weights: ``ignore_index`` rows add 0 to the loss
 and get a zero gradient, ``"mean"`` divides by the number of rows not ignored (NaN when all are, as in torch), and
@@ -16,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import as_rows, launch, num_warps
+from fabriclite.kernels._common import as_rows, check_dtypes, launch, num_warps
 
 # The widest slice of a row one program reads at a time; a wider row is swept in blocks of this many logits.
 MAX_BLOCK = 8192
@@ -55,7 +59,12 @@ def _cross_entropy_forward_kernel(
                 tl.store(grad_ptr + cols, zeros, mask=cols < n_cols)
         return
 
-    # Sweep 1: running max m, running sum d of exp(x - m), running sum of x.
+    x_target = tl.load(logits_ptr + target).to(tl.float32)
+    # The smoothing term sums x - ref, not x: values near 0 rather than a sum near C * x. ref is x_target unless
+    # that is -inf (a masked target class, whose loss is inf anyway), where x - x_target would give inf - inf.
+    ref = tl.where(x_target == float("-inf"), 0.0, x_target)
+
+    # Sweep 1: running max m, running sum d of exp(x - m), running sum of x - ref.
     m = float("-inf")
     d = 0.0
     sum_x = 0.0
@@ -69,15 +78,15 @@ def _cross_entropy_forward_kernel(
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         d = d * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         if SMOOTHING:
-            sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
+            sum_x += tl.sum(tl.where(mask, x - ref, 0.0), axis=0)
         m = m_new
-    lse = m + tl.log(d)
+    log_d = tl.log(d)
 
-    x_target = tl.load(logits_ptr + target).to(tl.float32)
-    # -log p_target, and with smoothing eps/C * sum_c -log p_c = eps * (lse - mean(x)).
-    loss = lse - x_target
+    # -log p_target = lse - x_target, and with smoothing eps/C * sum_c -log p_c = eps * (lse - mean(x)).
+    loss = (m - x_target) + log_d
     if SMOOTHING:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_x / n_cols)
+        smooth = (m - ref) + log_d - sum_x / n_cols
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
     tl.store(loss_ptr + row, loss)
 
     if COMPUTE_GRAD:
@@ -89,7 +98,7 @@ def _cross_entropy_forward_kernel(
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
             x = tl.load(logits_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            grad = tl.exp(x - lse)
+            grad = tl.exp(x - m) / d
             if SMOOTHING:
                 grad = grad - label_smoothing / n_cols
                 grad = tl.where(cols == target, grad - (1.0 - label_smoothing), grad)
@@ -260,6 +269,7 @@ def cross_entropy(
         raise ValueError(f"reduction={reduction!r} is not supported; use one of {_REDUCTIONS}.")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1].")
+    check_dtypes("cross_entropy", "torch.nn.functional.cross_entropy", logits)
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
     loss, _ = torch.ops.fabriclite.cross_entropy(
         logits, target, ignore_index, float(label_smoothing), reduction, compute_grad

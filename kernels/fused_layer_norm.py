@@ -18,7 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import as_rows, contiguous_rows, launch, num_warps, reduction_programs, row_block
+from fabriclite.kernels._common import (
+    as_rows,
+    check_dtypes,
+    contiguous_rows,
+    launch,
+    num_warps,
+    reduction_programs,
+    row_block,
+)
 
 
 @triton.jit
@@ -366,6 +374,7 @@ def layer_norm(
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
     if list(x.shape[x.dim() - len(shape) :]) != shape:
         raise ValueError(f"layer_norm over {shape} needs an input ending in those sizes; got {tuple(x.shape)}.")
+    check_dtypes("layer_norm", "torch.nn.functional.layer_norm", x, weight, bias)
     return torch.ops.fabriclite.layer_norm(x, shape, weight, bias, float(eps))[0]
 
 
@@ -385,6 +394,7 @@ def add_layer_norm(
             f"add_layer_norm needs x and residual of one shape (no broadcasting); got {tuple(x.shape)} and "
             f"{tuple(residual.shape)}."
         )
+    check_dtypes("add_layer_norm", "torch.nn.functional.layer_norm(x + residual, ...)", x, residual, weight, bias)
     y, summed, _, _ = torch.ops.fabriclite.add_layer_norm(x, residual, weight, bias, float(eps))
     return y, summed
 

@@ -2,8 +2,9 @@
 
 Forward: one row per program, the whole row in one block, fp32 statistics; the per-row rstd (one fp32) is saved for
 the backward. Backward: each program walks a contiguous range of rows, writes their input gradient and keeps an
-fp32 partial sum of the weight gradient; the host adds up the partials. ``eps=None`` means
-``torch.finfo(x.dtype).eps``, as in torch.
+fp32 partial sum of the weight gradient; the host adds up the partials. ``eps=None`` means fp32's eps, as in
+torch, which computes fp32, bf16 and fp16 RMS norm in fp32 and takes the eps of that dtype (bf16's own, 0.0078,
+would swamp ``mean(x ** 2)`` of small activations).
 """
 
 import math
@@ -13,7 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import as_rows, contiguous_rows, launch, num_warps, reduction_programs, row_block
+from fabriclite.kernels._common import (
+    as_rows,
+    check_dtypes,
+    contiguous_rows,
+    launch,
+    num_warps,
+    reduction_programs,
+    row_block,
+)
 
 
 @triton.jit
@@ -206,7 +215,7 @@ def rms_norm(
     normalized_shape: Union[int, list[int], tuple[int, ...], torch.Size, None] = None,
 ) -> torch.Tensor:
     """``x * rsqrt(mean(x ** 2) + eps) * weight`` over ``normalized_shape`` (default: weight's shape, else the
-    last dimension), as ``F.rms_norm(x, normalized_shape, weight, eps)``.
+    last dimension), as ``F.rms_norm(x, normalized_shape, weight, eps)``; ``eps=None`` is fp32's eps, as in torch.
 
     Usage: ``y = rms_norm(x, weight, eps=1e-6)``.
     """
@@ -216,8 +225,9 @@ def rms_norm(
         shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
     if list(x.shape[x.dim() - len(shape) :]) != shape:
         raise ValueError(f"rms_norm over {shape} needs an input ending in those sizes; got {tuple(x.shape)}.")
+    check_dtypes("rms_norm", "torch.nn.functional.rms_norm", x, weight)
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = torch.finfo(torch.float32).eps  # the dtype the kernel computes in, whatever x's dtype
     return torch.ops.fabriclite.rms_norm(x, shape, weight, float(eps))[0]
 
 

@@ -21,6 +21,7 @@ DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "
 TOLERANCES = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
     torch.bfloat16: {"rtol": 2e-2 if INTERPRET else 1e-2, "atol": 1e-4},
+    torch.float16: {"rtol": 2e-3, "atol": 1e-4},
 }
 
 

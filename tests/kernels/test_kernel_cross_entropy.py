@@ -74,6 +74,25 @@ def test_a_block_of_minus_infinity_logits_stays_finite(monkeypatch):
     assert_matches(logits.grad, reference.grad, torch.float32)
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_logits_with_a_large_common_offset_keep_fp32_accuracy(reduction, label_smoothing):
+    # Softmax ignores a common offset; a kernel that forms lse = m + log(d) near 1e4 and subtracts it late keeps
+    # only fp32's 1e-3 absolute resolution there, far off the float64 loss and gradient.
+    torch.manual_seed(6)
+    logits, reference = leaf_pair(3 * torch.randn(64, 1000) + 1e4, torch.float32)
+    target = _targets(64, 1000, ignored=(5,))
+
+    with launched(FORWARD, BACKWARD):
+        loss = cross_entropy(logits, target, label_smoothing=label_smoothing, reduction=reduction)
+        loss.sum().backward()
+    expected = F.cross_entropy(reference, target, label_smoothing=label_smoothing, reduction=reduction)
+    expected.sum().backward()
+
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0.0)
+    assert_matches(logits.grad, reference.grad, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_single_row_with_an_expanded_upstream_gradient(dtype):
     torch.manual_seed(3)

@@ -38,6 +38,12 @@ def test_rms_norm_and_its_gradients_match_the_definition(with_weight, dtype):
         assert_matches(weight.grad, weight_ref.grad, dtype)
 
 
+def _torch_fp32(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+    """torch's own ``F.rms_norm`` computed in fp32, as torch computes it for fp32, bf16 and fp16 inputs; with
+    eps=None torch picks the eps itself, so this checks our default against torch's, not against our formula."""
+    return F.rms_norm(x.float(), x.shape[-1:], weight.float() if weight is not None else None, eps)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_single_row_with_an_expanded_upstream_gradient_and_torch_default_eps(dtype):
     torch.manual_seed(1)
@@ -45,14 +51,32 @@ def test_a_single_row_with_an_expanded_upstream_gradient_and_torch_default_eps(d
     weight, weight_ref = leaf_pair(torch.randn(19), dtype)
 
     with launched(FORWARD, BACKWARD):
-        y = rms_norm(x, weight)  # eps=None: torch.finfo(dtype).eps, as F.rms_norm
+        y = rms_norm(x, weight)  # eps=None: the eps torch picks
         y.sum().backward()
-    expected = _reference(x_ref, weight_ref, torch.finfo(dtype).eps)
+    expected = _torch_fp32(x_ref, weight_ref, None)
     expected.sum().backward()
 
     assert_matches(y, expected, dtype)
     assert_matches(x.grad, x_ref.grad, dtype)
     assert_matches(weight.grad, weight_ref.grad, dtype)
+
+
+def test_default_eps_on_bf16_is_fp32_eps_as_torch_computes_bf16_in_fp32():
+    # mean(x ** 2) = 0.0025 here: bf16's own eps (0.0078) would swamp it, fp32's (1.2e-7) does not.
+    torch.manual_seed(4)
+    x, x_ref = leaf_pair(0.05 * torch.randn(8, 64), torch.bfloat16)
+    weight, weight_ref = leaf_pair(1 + 0.1 * torch.randn(64), torch.bfloat16)
+    upstream = torch.randn(8, 64, dtype=torch.bfloat16, device=DEVICE)
+
+    with launched(FORWARD, BACKWARD):
+        y = rms_norm(x, weight)
+        y.backward(upstream)
+    expected = _torch_fp32(x_ref, weight_ref, None)
+    expected.backward(upstream.double())
+
+    assert_matches(y, expected, torch.bfloat16)
+    assert_matches(x.grad, x_ref.grad, torch.bfloat16)
+    assert_matches(weight.grad, weight_ref.grad, torch.bfloat16)
 
 
 def test_matches_torch_rms_norm_over_a_multi_dimensional_shape():

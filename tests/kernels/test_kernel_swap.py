@@ -1,6 +1,8 @@
+import copy
+
 import pytest
 import torch
-from kernel_checks import DEVICE, launched
+from kernel_checks import DEVICE, assert_matches, launched
 from torch import nn
 
 from fabriclite.kernels import LayerNorm, RMSNorm, kernels_available, swap_modules
@@ -80,6 +82,19 @@ def test_the_swapped_model_trains_through_the_kernels():
     reference(x).square().mean().backward()
     for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(parameter.grad, expected.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_swapped_rms_norm_without_eps_on_bf16_matches_torch_which_uses_fp32_eps():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.RMSNorm(64, eps=None)).to(DEVICE, torch.bfloat16)
+    nn.init.normal_(model[0].weight, 1.0, 0.1)
+    reference = copy.deepcopy(model).float()  # torch computes a bf16 RMS norm in fp32, with fp32's eps
+    x = (0.05 * torch.randn(8, 64, device=DEVICE)).bfloat16()  # mean(x ** 2) = 0.0025, below bf16's eps 0.0078
+
+    assert swap_modules(model) == 1 and model[0].eps is None
+    with launched("_rms_norm_forward_kernel"):
+        out = model(x)
+    assert_matches(out, reference(x.float()).double(), torch.bfloat16)
 
 
 def test_kernels_are_available_on_cpu_only_under_the_interpreter(monkeypatch):
