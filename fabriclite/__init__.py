@@ -5,6 +5,7 @@ Usage: ``from fabriclite import Fabric, seed_everything``.
 
 from fabriclite.fabric import Fabric
 from fabriclite.seed import seed_everything
+from fabriclite.wrappers import is_wrapped
 
 __version__ = "0.1.0.dev0"
-__all__ = ["Fabric", "__version__", "seed_everything"]
+__all__ = ["Fabric", "__version__", "is_wrapped", "seed_everything"]

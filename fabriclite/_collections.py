@@ -50,11 +50,13 @@ def move_to_device(data: Any, device: torch.device) -> Any:
 
 
 def convert_to_tensors(data: Any, device: torch.device) -> Any:
-    """Turn numbers into tensors and move all tensors to ``device`` (what collectives expect).
+    """Turn numbers and NumPy arrays into tensors and move all tensors to ``device`` (what collectives expect).
 
     Usage: ``convert_to_tensors({"loss": 0.5}, torch.device("cpu"))``.
     """
-    data = apply_to_collection(data, (int, float, bool), lambda x: torch.tensor(x))
+    import numpy as np  # torch has imported it already
+
+    data = apply_to_collection(data, (int, float, bool, np.ndarray, np.generic), lambda x: torch.tensor(x))
     return move_to_device(data, device)
 
 

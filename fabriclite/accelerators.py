@@ -64,6 +64,40 @@ class MPSAccelerator(Accelerator):
         return torch.device("mps")
 
 
+def find_usable_cuda_devices(num_devices: int = -1) -> list[int]:
+    """The indices of ``num_devices`` CUDA devices this process can use now (-1: all of them), for
+    ``Fabric(devices=find_usable_cuda_devices(2))``. A device another process holds in exclusive-process mode is
+    passed over; fewer usable devices than asked for is an error naming the occupied ones.
+
+    Usage: ``Fabric(accelerator="cuda", devices=find_usable_cuda_devices(2))``.
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < -1:
+        raise ValueError(f"num_devices={num_devices!r} must be an int >= 0, or -1 for every usable device.")
+    if num_devices == 0:
+        return []
+    visible = torch.cuda.device_count()  # 0 without CUDA; honours CUDA_VISIBLE_DEVICES
+    if visible == 0 or num_devices > visible:
+        raise ValueError(
+            f"find_usable_cuda_devices({num_devices}) asks for more CUDA devices than this machine shows ({visible})."
+        )
+    usable, occupied = [], []
+    for index in range(visible):
+        try:  # an exclusive-process device held by another process refuses a context
+            torch.empty(1, device=torch.device("cuda", index))
+        except RuntimeError:
+            occupied.append(index)
+            continue
+        usable.append(index)
+        if len(usable) == num_devices:
+            break
+    if num_devices != -1 and len(usable) < num_devices:
+        raise RuntimeError(
+            f"find_usable_cuda_devices({num_devices}) found only {len(usable)} usable CUDA devices {usable}; "
+            f"devices {occupied} are held by other processes."
+        )
+    return usable
+
+
 def select_accelerator(name: str, devices: int | list[int] | str) -> Accelerator:
     """Turn a parsed accelerator name and devices value into an ``Accelerator`` with concrete device indices.
 

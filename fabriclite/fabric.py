@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fabriclite import checkpoint, choices
+from fabriclite._legacy import LegacyAPI
 from fabriclite._collections import apply_to_collection, convert_to_tensors, move_to_device, to_python_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
 from fabriclite.callbacks import call_hook
@@ -35,11 +36,11 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _rebuild_fabric(init_kwargs: dict[str, Any]) -> Fabric:
-    return Fabric(**init_kwargs)
+def _rebuild_fabric(cls: type[Fabric], init_kwargs: dict[str, Any]) -> Fabric:
+    return cls(**init_kwargs)
 
 
-class Fabric:
+class Fabric(LegacyAPI):
     """Mixed precision, device placement, checkpoints, distributed training and compilation for a raw PyTorch loop.
 
     The API is Lightning Fabric's: a script written for ``lightning.fabric`` runs by changing its import.
@@ -77,16 +78,20 @@ class Fabric:
         parsed_devices = choices.parse_devices(devices)
         nodes = choices.parse_num_nodes(num_nodes)
         precision_name = choices.parse_precision(precision)
-        user_precision, checkpoint_io = split_plugins(_as_list(plugins))
+        user_precision, checkpoint_io, environment = split_plugins(_as_list(plugins))
 
         self._accelerator: Accelerator = select_accelerator(accelerator_name, parsed_devices)
         self._strategy: Strategy = select_strategy(strategy_choice, self._accelerator, nodes)
         if checkpoint_io is not None:
             self._strategy.checkpoint_io = checkpoint_io
+        if environment is not None and hasattr(self._strategy, "cluster_environment"):  # one process reads nothing
+            self._strategy.cluster_environment = environment
         self._strategy.configure(self._accelerator, nodes)
         self._precision: Precision = user_precision or select_precision(precision_name, self._strategy.root_device)
+        self._precision.place(self._strategy.root_device)
         self._strategy.precision = self._precision
-        self._kernels = bool(kernels) and kernels_usable(self.device)
+        # The kernels compute in fp32: a float64 model keeps torch's layers.
+        self._kernels = bool(kernels) and kernels_usable(self.device) and self._precision.name != "64-true"
         self._compile = compile_kwargs(compile)
         self._compile_watches: list[CompileWatch] = []
         self._callbacks = _as_list(callbacks)
@@ -98,10 +103,11 @@ class Fabric:
         self._launched = not self._strategy.launcher.starts_processes
         if self._launched:
             self._strategy.setup_environment()
+        self._prepare_run()
 
     def __reduce__(self) -> tuple:
         # A Fabric pickles as its arguments: what ddp_spawn sends to each new process, where it is built again.
-        return (_rebuild_fabric, (self._init_kwargs,))
+        return (_rebuild_fabric, (type(self), self._init_kwargs))
 
     def __copy__(self) -> Fabric:
         return self  # one per process: a copied model (say, an EMA of a LightningModule) shares it

@@ -346,3 +346,16 @@ class _FabricOptimizer:
 
     def __repr__(self) -> str:
         return f"Fabric{self._optimizer!r}"
+
+
+def is_wrapped(obj: object) -> bool:
+    """Whether ``obj`` came out of ``fabric.setup`` / ``setup_module`` / ``setup_optimizers`` /
+    ``setup_dataloaders`` (also under ``torch.compile``).
+
+    Usage: ``if not is_wrapped(model): model = fabric.setup_module(model)``.
+    """
+    from fabriclite.data import _FabricDataLoader
+
+    if type(obj).__name__ == "OptimizedModule":  # torch.compile's wrapper, named so as not to import dynamo
+        obj = getattr(obj, "_orig_mod", obj)
+    return isinstance(obj, (_FabricModule, _FabricOptimizer, _FabricDataLoader))

@@ -194,3 +194,35 @@ def test_a_lightning_module_logs_through_fabric(package):
         pytest.skip(f"{package} is not installed (the 'lightning' extra)")
     out = run_python(str(SCRIPTS / "lightning_module.py"), package, timeout=180).stdout
     assert_passed(out, LIGHTNING_MODULE_CHECKS, ranks=("0",))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_a_fabric_subclass_run_method_launches_the_processes_first(strategy):
+    """Lightning's older pattern: `class Trainer(Fabric): def run(self, ...)`, then `Trainer(devices=2).run(...)`."""
+    out = run_python(str(SCRIPTS / "legacy_api.py"), strategy, timeout=240).stdout
+    assert_passed(out, ["run of a Fabric subclass launched"])
+    assert "DONE result=14.0" in out
+
+
+def test_the_base_run_does_nothing_and_sharded_model_is_deprecated_for_init_module():
+    fabric = Fabric(accelerator="cpu")
+    assert fabric.run(1, x=2) is None
+    with pytest.warns(DeprecationWarning, match="deprecated in favor of `Fabric.init_module\\(\\)`"):
+        with fabric.sharded_model():
+            layer = nn.Linear(2, 2)
+    assert layer.weight.abs().sum() > 0  # initialised as usual
+
+
+def test_fsdp_takes_lightnings_sharding_strategy_names():
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from fabriclite.strategies import FSDPStrategy
+
+    assert FSDPStrategy(sharding_strategy="FULL_SHARD").reshard_after_forward is True
+    assert FSDPStrategy(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).reshard_after_forward is False
+    with pytest.raises(ValueError, match="'NO_SHARD' is not supported yet. For no sharding use strategy='ddp'"):
+        FSDPStrategy(sharding_strategy="NO_SHARD")
+    with pytest.raises(ValueError, match="reshard_after_forward=False was also given"):
+        FSDPStrategy(sharding_strategy="FULL_SHARD", reshard_after_forward=False)
+    with pytest.raises(ValueError, match="sharding_strategy='ZERO3' is not supported. Valid: 'FULL_SHARD'"):
+        FSDPStrategy(sharding_strategy="ZERO3")

@@ -270,3 +270,57 @@ def test_the_count_of_skipped_steps_travels_in_the_precision_state():
 def test_invalid_scaler_limits_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         precision_module.MixedPrecision("16-mixed", torch.device("cpu"), **kwargs)
+
+
+def _train_weights(**fabric_kwargs):
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", **fabric_kwargs)
+    module = nn.Linear(4, 2)
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    for step in range(3):
+        loss = model(torch.full((3, 4), step + 1.0)).float().pow(2).mean()
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return fabric, model.module.weight.detach()
+
+
+@pytest.mark.parametrize(
+    ("plugin", "name"),
+    [
+        (lambda p: p.HalfPrecision("bf16-true"), "bf16-true"),
+        (lambda p: p.DoublePrecision(), "64-true"),
+        (lambda p: p.MixedPrecision("bf16-mixed", "cpu"), "bf16-mixed"),
+        (lambda p: p.FSDPPrecision("bf16-mixed"), "bf16-mixed"),
+        (lambda p: p.FSDPPrecision("32-true"), "32-true"),
+    ],
+)
+def test_lightnings_precision_plugins_train_as_the_precision_they_name(plugin, name):
+    import fabriclite.plugins as plugins
+
+    fabric, weights = _train_weights(plugins=[plugin(plugins)])
+    _, expected = _train_weights(precision=name)
+    assert fabric._precision.name == name
+    assert weights.dtype == expected.dtype and torch.equal(weights, expected)
+
+
+def test_half_precision_built_without_a_device_gets_its_scaler_from_the_fabric():
+    from fabriclite.plugins import HalfPrecision
+
+    plugin = HalfPrecision()  # "16-true", as Lightning's default
+    assert plugin.scaler is None
+    fabric = Fabric(accelerator="cpu", plugins=[plugin])
+    assert fabric._precision is plugin and plugin.scaler is not None and plugin.scaler._device == "cpu"
+
+
+def test_precision_plugins_refuse_names_and_scalers_they_do_not_take():
+    from fabriclite.plugins import FSDPPrecision, HalfPrecision, MixedPrecision
+
+    with pytest.raises(ValueError, match="HalfPrecision\\(precision='bf16-mixed'\\) is not supported. Valid: 'bf16-true'"):
+        HalfPrecision("bf16-mixed")
+    with pytest.raises(ValueError, match="precision='bf16-mixed' does not use one"):
+        MixedPrecision("bf16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="FSDPPrecision\\(precision='8-true'\\) is not supported"):
+        FSDPPrecision("8-true")
+    scaler = torch.amp.GradScaler("cpu")
+    assert MixedPrecision("16-mixed", "cpu", scaler=scaler).scaler is scaler

@@ -34,6 +34,7 @@ from data import Windows, load_text, split  # noqa: E402
 from fabriclite import Fabric, seed_everything  # noqa: E402
 from fabriclite.kernels import kernels_available  # noqa: E402
 from fabriclite.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
+from fabriclite.utilities.throughput import ThroughputMonitor, measure_flops  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 # --quick: a model and a run small enough for CI (a few seconds of training on one CPU core). Flags given on the
@@ -52,7 +53,14 @@ QUICK_ARGS = dict(
 WARMUP_FRACTION = 0.05  # of max_steps, rising linearly to --lr
 MIN_LR_FRACTION = 0.1  # the cosine ends at lr / 10, as in nanoGPT and Chinchilla
 CHECKPOINT = "last.ckpt"
-FORMATS = {"train_loss": ".4f", "val_loss": ".4f", "lr": ".2e", "tokens_per_sec": ".0f", "grad_norm": ".3f"}
+FORMATS = {
+    "train_loss": ".4f",
+    "val_loss": ".4f",
+    "lr": ".2e",
+    "tokens_per_sec": ".0f",
+    "mfu": ".1%",
+    "grad_norm": ".3f",
+}
 
 
 def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
@@ -235,6 +243,13 @@ def main() -> None:
     start_step = step = state["step"]
 
     tokens_per_step = args.batch_size * model_config.block_size * args.grad_accum * fabric.world_size
+    # FLOPs of one optimizer step per process (forward and backward), counted on a model of meta tensors: no memory
+    # and no time. MFU divides what was achieved by the device's dense peak (none on a CPU: no MFU there).
+    with torch.device("meta"):
+        meta_model = GPT(model_config)
+        meta_x = torch.zeros(args.batch_size, model_config.block_size, dtype=torch.long)
+    flops_per_step = args.grad_accum * measure_flops(meta_model, lambda: meta_model(meta_x), lambda y: y.sum())
+    throughput = ThroughputMonitor(fabric, window_size=5)
     n_params = sum(p.numel() for p in model.parameters())
     fabric.print(
         f"GPT with {n_params / 1e6:.2f}M parameters on {len(train_data) / 1e6:.2f} MB of "
@@ -264,6 +279,7 @@ def main() -> None:
     logged_steps = 0
     micro_batches = 0
     train_start = t_last = time.perf_counter()
+    trained_seconds = 0.0  # training only: evaluation and checkpoint pauses left out
     model.train()
     while step < args.max_steps:
         for micro in range(args.grad_accum):
@@ -289,6 +305,16 @@ def main() -> None:
             train_loss = fabric.all_reduce(loss_sum, reduce_op="mean").item() / logged_steps
             metrics.update(train_loss=train_loss, lr=scheduler.get_last_lr()[0])
             metrics["tokens_per_sec"] = logged_steps * tokens_per_step / (now - t_last)
+            trained_seconds += now - t_last
+            done = step - start_step
+            throughput.update(
+                time=trained_seconds,
+                batches=done * args.grad_accum,
+                samples=done * args.grad_accum * args.batch_size,
+                flops=logged_steps * flops_per_step,
+            )
+            if "device/mfu" in (rates := throughput.compute()):
+                metrics["mfu"] = rates["device/mfu"]
             if args.max_grad_norm > 0:
                 metrics["grad_norm"] = grad_norm.item()
             loss_sum.zero_()
@@ -331,6 +357,10 @@ def main() -> None:
     )
     fabric.print(f"final val loss: {val_loss:.4f}")
     fabric.print(f"peak memory: {'n/a' if peak is None else f'{peak:.0f} MiB'}")
+    achieved = (step - start_step) * flops_per_step / max(trained_seconds, 1e-9)
+    peak_flops = throughput.available_flops
+    mfu = "n/a (no peak FLOP/s known for this device)" if not peak_flops else f"{achieved / peak_flops:.1%}"
+    fabric.print(f"model FLOP/s per process: {achieved / 1e12:.3f} TFLOP/s; MFU: {mfu}")
     fabric.print(f"time: {time.perf_counter() - START:.1f} s (training {train_time:.1f} s)")
     if sample:
         fabric.print(f"sample:\n{sample}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 
@@ -44,12 +45,97 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def detect_environment() -> ProcessEnvironment | None:
-    """Return the environment of an already launched process, or None when this is a plain single process.
+class ClusterEnvironment(ABC):
+    """Who started this process and where it sits in the job, at Lightning Fabric's import path. A subclass reads
+    one launcher's variables; ``read()`` gives the ``ProcessEnvironment`` fabriclite works from, or None when that
+    launcher did not start this process. ``Fabric(plugins=[SLURMEnvironment()])`` uses the one given instead of
+    detecting it.
 
-    Usage: ``env = detect_environment(); env.global_rank if env else 0``.
+    Usage: ``TorchElasticEnvironment.detect() and TorchElasticEnvironment().global_rank()``.
     """
-    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+
+    source = "env"
+
+    @staticmethod
+    @abstractmethod
+    def detect() -> bool:
+        """Whether this process runs under this launcher."""
+
+    @abstractmethod
+    def read(self) -> ProcessEnvironment | None:
+        """This process's place in the job, or None when this launcher did not start it."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return self.read() is not None
+
+    @property
+    def main_address(self) -> str:
+        return self._read_or_fail().main_address
+
+    @property
+    def main_port(self) -> int:
+        return self._read_or_fail().main_port
+
+    def world_size(self) -> int:
+        return self._read_or_fail().world_size
+
+    def global_rank(self) -> int:
+        return self._read_or_fail().global_rank
+
+    def local_rank(self) -> int:
+        return self._read_or_fail().local_rank
+
+    def node_rank(self) -> int:
+        return self._read_or_fail().node_rank
+
+    def set_world_size(self, size: int) -> None:
+        """The launcher sets the world size; a value given here that differs from it is an error."""
+        if self.world_size() != size:
+            raise ValueError(f"{type(self).__name__} says the world size is {self.world_size()}, not {size}.")
+
+    def set_global_rank(self, rank: int) -> None:
+        """The launcher sets the rank; a value given here that differs from it is an error."""
+        if self.global_rank() != rank:
+            raise ValueError(f"{type(self).__name__} says this process is rank {self.global_rank()}, not {rank}.")
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """Raise when the launcher started a different number of processes than ``num_devices * num_nodes``."""
+        environment = self.read()
+        if environment is not None and environment.world_size != num_devices * num_nodes:
+            raise ValueError(
+                f"{environment.source} started {environment.world_size} processes, but devices * num_nodes = "
+                f"{num_devices} * {num_nodes} = {num_devices * num_nodes}. Make them match."
+            )
+
+    def teardown(self) -> None:
+        """Nothing to undo: reading the environment changes nothing."""
+        return None
+
+    def _read_or_fail(self) -> ProcessEnvironment:
+        environment = self.read()
+        if environment is None:
+            raise RuntimeError(
+                f"This process was not started by {self.source}: {type(self).__name__} has nothing to read."
+            )
+        return environment
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class TorchElasticEnvironment(ClusterEnvironment):
+    """torchrun (torchelastic): RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, MASTER_ADDR and MASTER_PORT."""
+
+    source = "torchelastic"
+
+    @staticmethod
+    def detect() -> bool:
+        return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+    def read(self) -> ProcessEnvironment | None:
+        if not self.detect():
+            return None
         return ProcessEnvironment(
             world_size=_env_int("WORLD_SIZE"),
             global_rank=_env_int("RANK"),
@@ -57,9 +143,23 @@ def detect_environment() -> ProcessEnvironment | None:
             node_rank=int(os.environ.get("GROUP_RANK", "0")),
             main_address=os.environ["MASTER_ADDR"],
             main_port=_env_int("MASTER_PORT"),
-            source="torchelastic",
+            source=self.source,
         )
-    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
+
+
+class LightningEnvironment(ClusterEnvironment):
+    """Plain variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (NODE_RANK optional), as set by
+    ``fabriclite run``, Lightning's ``fabric run`` or by hand. Like Lightning's, it is always available."""
+
+    _NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+    @staticmethod
+    def detect() -> bool:
+        return True
+
+    def read(self) -> ProcessEnvironment | None:
+        if not all(name in os.environ for name in self._NAMES):
+            return None
         return ProcessEnvironment(
             world_size=_env_int("WORLD_SIZE"),
             global_rank=_env_int("RANK"),
@@ -67,11 +167,25 @@ def detect_environment() -> ProcessEnvironment | None:
             node_rank=int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))),
             main_address=os.environ["MASTER_ADDR"],
             main_port=_env_int("MASTER_PORT"),
-            source=os.environ.get("FABRICLITE_LAUNCHER", "env"),
+            source=os.environ.get("FABRICLITE_LAUNCHER", self.source),
             external=os.environ.get("FABRICLITE_LAUNCHER") is None,
         )
-    # srun starts one task per process; an interactive `srun --pty bash` shell is not a job to join.
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+
+
+class SLURMEnvironment(ClusterEnvironment):
+    """SLURM's ``srun``: one task per process (SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID); the main
+    address is MASTER_ADDR or the first node of SLURM_NODELIST, the port MASTER_PORT or one derived from the job id.
+    An interactive ``srun --pty bash`` shell is not a job to join."""
+
+    source = "slurm"
+
+    @staticmethod
+    def detect() -> bool:
+        return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+    def read(self) -> ProcessEnvironment | None:
+        if not self.detect() or int(os.environ["SLURM_NTASKS"]) <= 1:
+            return None
         job_id = os.environ.get("SLURM_JOB_ID", "0")
         return ProcessEnvironment(
             world_size=_env_int("SLURM_NTASKS"),
@@ -80,8 +194,22 @@ def detect_environment() -> ProcessEnvironment | None:
             node_rank=_env_int("SLURM_NODEID"),
             main_address=os.environ.get("MASTER_ADDR") or _first_slurm_host(os.environ.get("SLURM_NODELIST", "")),
             main_port=int(os.environ.get("MASTER_PORT", 10000 + int(job_id[-4:] or 0))),
-            source="slurm",
+            source=self.source,
         )
+
+
+def detect_environment(given: ClusterEnvironment | None = None) -> ProcessEnvironment | None:
+    """Return the environment of an already launched process, or None when this is a plain single process.
+    ``given`` (a ``Fabric(plugins=[...])`` environment) is read instead of looking at every launcher.
+
+    Usage: ``env = detect_environment(); env.global_rank if env else 0``.
+    """
+    if given is not None:
+        return given.read()
+    for kind in (TorchElasticEnvironment, LightningEnvironment, SLURMEnvironment):
+        environment = kind().read()
+        if environment is not None:
+            return environment
     return None
 
 

@@ -115,6 +115,9 @@ class Precision:
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the loss scale, if there is one (before clipping or inspecting them)."""
 
+    def place(self, device: torch.device) -> None:
+        """Learn the device the Fabric runs on (needed by the precisions that build a loss scaler)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -135,15 +138,33 @@ class _ScaledPrecision(Precision):
     def __init__(
         self,
         name: str,
-        device: torch.device,
+        device: torch.device | str | None = None,
         min_scale: float = MIN_SCALE,
         max_skipped_steps: int | None = MAX_SKIPPED_STEPS,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self._set_limits(min_scale, max_skipped_steps)
+        if name not in self.DTYPES:
+            raise ValueError(
+                f"{type(self).__name__}(precision={name!r}) is not supported. Valid: {', '.join(map(repr, self.DTYPES))}."
+            )
         self.name = name
-        self.device_type = device.type
         self.dtype = self.DTYPES[name]
-        self.scaler = self.SCALER(device.type, min_scale) if self.dtype == torch.float16 else None
+        if scaler is not None and self.dtype != torch.float16:
+            raise ValueError(f"A loss scaler is for fp16; precision={name!r} does not use one. Leave scaler out.")
+        self.min_scale = min_scale
+        self.scaler = scaler
+        self.device_type: str | None = None
+        if device is not None:
+            self.place(torch.device(device))
+
+    def place(self, device: torch.device) -> None:
+        """Run on ``device``: a plugin built without one (as Lightning's are) learns it from the Fabric."""
+        if self.device_type is not None:
+            return
+        self.device_type = device.type
+        if self.scaler is None and self.dtype == torch.float16:
+            self.scaler = self.SCALER(device.type, self.min_scale)
 
     def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self.scaler is not None:
@@ -272,3 +293,48 @@ def select_precision(name: str, device: torch.device) -> Precision:
     if name.endswith("-mixed"):
         return MixedPrecision(name, device)
     return TruePrecision(name, device)
+
+
+class HalfPrecision(TruePrecision):
+    """Lightning's name for "bf16-true" and "16-true" (the default): weights and inputs in that dtype.
+
+    Usage: ``Fabric(plugins=[HalfPrecision("bf16-true")])``.
+    """
+
+    DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+    def __init__(self, precision: str = "16-true", device: torch.device | str | None = None, **limits: Any) -> None:
+        super().__init__(precision, device, **limits)
+
+
+class DoublePrecision(TruePrecision):
+    """Lightning's name for "64-true": weights and inputs in float64.
+
+    Usage: ``Fabric(plugins=[DoublePrecision()])``.
+    """
+
+    DTYPES = {"64-true": torch.float64}
+
+    def __init__(self) -> None:
+        super().__init__("64-true")
+
+
+def FSDPPrecision(  # noqa: N802 - Lightning's class name; under FSDP2 every precision works as it is
+    precision: str, scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None
+) -> Precision:
+    """Lightning's FSDP precision plugin: returns the precision ``precision`` names, which ``FSDPStrategy`` casts
+    its gathered parameters to ("bf16-mixed": bf16 all-gathers, fp32 gradient reduction).
+
+    Usage: ``Fabric(strategy="fsdp", plugins=[FSDPPrecision("bf16-mixed")])``.
+    """
+    if precision == "32-true":
+        if scaler is not None:
+            raise ValueError("A loss scaler is for fp16; precision='32-true' does not use one. Leave scaler out.")
+        return Precision()
+    kind = MixedPrecision if precision.endswith("-mixed") else TruePrecision
+    if precision not in kind.DTYPES:
+        valid = ["32-true", *MixedPrecision.DTYPES, *TruePrecision.DTYPES]
+        raise ValueError(
+            f"FSDPPrecision(precision={precision!r}) is not supported. Valid: {', '.join(map(repr, valid))}."
+        )
+    return kind(precision, device, scaler=scaler)

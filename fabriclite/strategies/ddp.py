@@ -11,6 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from fabriclite.checkpoint import CheckpointIO
+from fabriclite.plugins.environments import ClusterEnvironment
 from fabriclite.strategies.parallel import ParallelStrategy
 
 
@@ -28,9 +29,12 @@ class DDPStrategy(ParallelStrategy):
         start_method: str = "subprocess",
         checkpoint_io: CheckpointIO | None = None,
         stall_timeout: float | None = 60.0,
+        cluster_environment: ClusterEnvironment | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__(process_group_backend, timeout, start_method, checkpoint_io, stall_timeout)
+        super().__init__(
+            process_group_backend, timeout, start_method, checkpoint_io, stall_timeout, cluster_environment
+        )
         self.ddp_kwargs = ddp_kwargs
 
     def _process_state(self) -> dict[str, Any]:

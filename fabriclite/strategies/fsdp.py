@@ -37,11 +37,35 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fabriclite import checkpoint
 from fabriclite.checkpoint import CheckpointIO
+from fabriclite.plugins.environments import ClusterEnvironment
 from fabriclite.strategies.parallel import ParallelStrategy
 
 # A set of layer classes, or a function telling whether a module is one unit.
 ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bool], None]
 STATE_DICT_TYPES = ("sharded", "full")
+
+
+# FSDP1's sharding strategies that FSDP2 expresses with reshard_after_forward.
+SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+def _reshard_after_forward(sharding_strategy: Any, reshard_after_forward: bool) -> bool:
+    name = getattr(sharding_strategy, "name", sharding_strategy)  # ShardingStrategy.FULL_SHARD -> "FULL_SHARD"
+    if name in ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        raise ValueError(
+            f"sharding_strategy={name!r} is not supported yet. For no sharding use strategy='ddp' (the same "
+            "communication: gradients all-reduced, whole parameters on every rank)."
+        )
+    if name not in SHARDING_STRATEGIES:
+        raise ValueError(
+            f"sharding_strategy={sharding_strategy!r} is not supported. Valid: 'FULL_SHARD', 'SHARD_GRAD_OP'."
+        )
+    if name == "FULL_SHARD" and reshard_after_forward is False:
+        raise ValueError(
+            "sharding_strategy='FULL_SHARD' reshards after forward, but reshard_after_forward=False was also given; "
+            "pass one of them ('SHARD_GRAD_OP' is reshard_after_forward=False)."
+        )
+    return SHARDING_STRATEGIES[name]
 
 
 class FSDPStrategy(ParallelStrategy):
@@ -54,6 +78,9 @@ class FSDPStrategy(ParallelStrategy):
       ``param_dtype`` ("bf16-mixed": bf16, "16-mixed": fp16) for the gathered parameters, fp32 gradient reduction.
     - ``cpu_offload``: keep the parameter, gradient and optimizer shards in CPU memory.
     - ``state_dict_type``: "sharded" (a directory, every rank writes its shards) or "full" (one file from rank 0).
+    - ``sharding_strategy``: Lightning's FSDP1 spelling (a string or ``torch.distributed.fsdp.ShardingStrategy``):
+      "FULL_SHARD" frees the gathered parameters after forward, "SHARD_GRAD_OP" keeps them until backward
+      (``reshard_after_forward=False``: more memory, one all-gather less).
 
     Usage: ``Fabric(devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}), precision="bf16-mixed")``.
     """
@@ -71,8 +98,14 @@ class FSDPStrategy(ParallelStrategy):
         start_method: str = "subprocess",
         checkpoint_io: CheckpointIO | None = None,
         stall_timeout: float | None = 60.0,
+        cluster_environment: ClusterEnvironment | None = None,
+        sharding_strategy: Any = None,
     ) -> None:
-        super().__init__(process_group_backend, timeout, start_method, checkpoint_io, stall_timeout)
+        super().__init__(
+            process_group_backend, timeout, start_method, checkpoint_io, stall_timeout, cluster_environment
+        )
+        if sharding_strategy is not None:
+            reshard_after_forward = _reshard_after_forward(sharding_strategy, reshard_after_forward)
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported. Valid choices: 'sharded', 'full'.")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):

@@ -21,7 +21,12 @@ from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
 from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher, stop_on_interrupt
-from fabriclite.plugins.environments import ProcessEnvironment, cpu_threads_per_process, detect_environment
+from fabriclite.plugins.environments import (
+    ClusterEnvironment,
+    ProcessEnvironment,
+    cpu_threads_per_process,
+    detect_environment,
+)
 from fabriclite.strategies.strategy import Strategy
 from fabriclite.watchdog import StallWatchdog, saying_who_has_not_joined
 
@@ -46,8 +51,15 @@ class ParallelStrategy(Strategy):
         start_method: str = "subprocess",
         checkpoint_io: CheckpointIO | None = None,
         stall_timeout: float | None = 60.0,
+        cluster_environment: ClusterEnvironment | None = None,
     ) -> None:
         super().__init__(checkpoint_io=checkpoint_io)
+        if cluster_environment is not None and not isinstance(cluster_environment, ClusterEnvironment):
+            raise TypeError(
+                f"cluster_environment={cluster_environment!r} must be a fabriclite.plugins.environments."
+                "ClusterEnvironment (LightningEnvironment, TorchElasticEnvironment, SLURMEnvironment), or None to detect it."
+            )
+        self.cluster_environment = cluster_environment
         if start_method not in _START_METHODS:
             raise ValueError(
                 f"start_method={start_method!r} is not supported. Valid choices: {', '.join(map(repr, _START_METHODS))}."
@@ -79,7 +91,7 @@ class ParallelStrategy(Strategy):
         self.num_nodes = num_nodes
         self.local_processes = len(accelerator.device_indices)
         expected = self.local_processes * num_nodes
-        self.environment = detect_environment()
+        self.environment = detect_environment(self.cluster_environment)
         if self.environment is not None:
             if self.environment.world_size != expected:
                 stale = ""
@@ -125,7 +137,7 @@ class ParallelStrategy(Strategy):
     def setup_environment(self) -> None:
         """Join the process group (gloo on CPU, nccl on CUDA) and give each CPU process its share of the cores."""
         if self.environment is None:  # our own launcher has just put this process's rank in the environment
-            self.environment = detect_environment()
+            self.environment = detect_environment(self.cluster_environment)
         super().setup_environment()
         if dist.is_initialized():
             return
@@ -183,7 +195,11 @@ class ParallelStrategy(Strategy):
         return collectives.all_gather_object(obj) if dist.is_initialized() else [obj]
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: str = "mean") -> torch.Tensor:
-        return collectives.all_reduce(collectives.full_value(tensor), reduce_op, group) if dist.is_initialized() else tensor
+        return (
+            collectives.all_reduce(collectives.full_value(tensor), reduce_op, group)
+            if dist.is_initialized()
+            else tensor
+        )
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> Any:
         """Stack every rank's tensor along a new first dimension; when first dimensions differ, return the list."""

@@ -1,11 +1,11 @@
-"""Helpers for training scripts, at Lightning Fabric's import path ``lightning.fabric.utilities``.
+"""Helpers for training scripts, at Lightning Fabric's import path ``lightning.fabric.utilities`` and its submodules
+(``.rank_zero``, ``.seed``, ``.apply_func``, ``.data``, ``.throughput``).
 
-Usage: ``from fabriclite.utilities import seed_everything, move_data_to_device``.
+Usage: ``from fabriclite.utilities import seed_everything, move_data_to_device, ThroughputMonitor``.
 """
 
-from fabriclite._collections import apply_to_collection
-from fabriclite._collections import move_to_device as move_data_to_device
-from fabriclite.seed import pl_worker_init_function, reset_seed, seed_everything
+from fabriclite.utilities.apply_func import apply_to_collection, convert_to_tensors, move_data_to_device
+from fabriclite.utilities.data import AttributeDict, suggested_max_num_workers
 from fabriclite.utilities.rank_zero import (
     rank_zero_debug,
     rank_zero_deprecation,
@@ -13,9 +13,17 @@ from fabriclite.utilities.rank_zero import (
     rank_zero_only,
     rank_zero_warn,
 )
+from fabriclite.utilities.seed import pl_worker_init_function, reset_seed, seed_everything
+from fabriclite.utilities.throughput import Throughput, ThroughputMonitor, get_available_flops, measure_flops
 
 __all__ = [
+    "AttributeDict",
+    "Throughput",
+    "ThroughputMonitor",
     "apply_to_collection",
+    "convert_to_tensors",
+    "get_available_flops",
+    "measure_flops",
     "move_data_to_device",
     "pl_worker_init_function",
     "rank_zero_debug",
@@ -25,4 +33,5 @@ __all__ = [
     "rank_zero_warn",
     "reset_seed",
     "seed_everything",
+    "suggested_max_num_workers",
 ]

@@ -1,0 +1,128 @@
+"""Every name Lightning Fabric user code imports (from its docs and examples) resolves at the same path under
+fabriclite, and the strategy strings such code passes are understood: "change only the import" holds for them.
+Where Lightning is installed, each path is also checked to exist there, so the list stays Lightning's."""
+
+import importlib
+
+import pytest
+
+from fabriclite import Fabric
+from fabriclite.choices import parse_strategy
+
+NAMES = [
+    ("", "Fabric"),
+    ("", "seed_everything"),
+    ("", "is_wrapped"),
+    ("accelerators", "Accelerator"),
+    ("accelerators", "CPUAccelerator"),
+    ("accelerators", "CUDAAccelerator"),
+    ("accelerators", "MPSAccelerator"),
+    ("accelerators", "find_usable_cuda_devices"),
+    ("strategies", "Strategy"),
+    ("strategies", "SingleDeviceStrategy"),
+    ("strategies", "DataParallelStrategy"),
+    ("strategies", "DDPStrategy"),
+    ("strategies", "FSDPStrategy"),
+    ("plugins", "Precision"),
+    ("plugins", "MixedPrecision"),
+    ("plugins", "HalfPrecision"),
+    ("plugins", "DoublePrecision"),
+    ("plugins", "FSDPPrecision"),
+    ("plugins", "CheckpointIO"),
+    ("plugins", "TorchCheckpointIO"),
+    ("plugins.environments", "ClusterEnvironment"),
+    ("plugins.environments", "LightningEnvironment"),
+    ("plugins.environments", "SLURMEnvironment"),
+    ("plugins.environments", "TorchElasticEnvironment"),
+    ("loggers", "Logger"),
+    ("loggers", "CSVLogger"),
+    ("loggers", "TensorBoardLogger"),
+    ("wrappers", "is_wrapped"),
+    ("utilities", "rank_zero_only"),
+    ("utilities", "move_data_to_device"),
+    ("utilities", "AttributeDict"),
+    ("utilities", "suggested_max_num_workers"),
+    ("utilities", "measure_flops"),
+    ("utilities", "Throughput"),
+    ("utilities", "ThroughputMonitor"),
+    ("utilities.rank_zero", "rank_zero_only"),
+    ("utilities.rank_zero", "rank_zero_info"),
+    ("utilities.rank_zero", "rank_zero_warn"),
+    ("utilities.rank_zero", "rank_zero_deprecation"),
+    ("utilities.seed", "seed_everything"),
+    ("utilities.seed", "reset_seed"),
+    ("utilities.seed", "pl_worker_init_function"),
+    ("utilities.apply_func", "apply_to_collection"),
+    ("utilities.apply_func", "move_data_to_device"),
+    ("utilities.apply_func", "convert_to_tensors"),
+    ("utilities.data", "AttributeDict"),
+    ("utilities.data", "suggested_max_num_workers"),
+    ("utilities.throughput", "measure_flops"),
+    ("utilities.throughput", "Throughput"),
+    ("utilities.throughput", "ThroughputMonitor"),
+]
+STRATEGY_STRINGS = [
+    "ddp",
+    "ddp_spawn",
+    "ddp_fork",
+    "ddp_notebook",
+    "ddp_find_unused_parameters_true",
+    "ddp_find_unused_parameters_false",
+    "fsdp",
+    "fsdp_cpu_offload",
+    "dp",
+    "single_device",
+]
+
+
+def _resolve(package: str, module: str, name: str):
+    return getattr(importlib.import_module(package + ("." + module if module else "")), name)
+
+
+@pytest.mark.parametrize(("module", "name"), NAMES, ids=[f"{m or 'fabric'}.{n}" for m, n in NAMES])
+def test_a_name_lightning_code_imports_resolves_at_the_same_path(module, name):
+    assert _resolve("fabriclite", module, name) is not None
+    lightning = pytest.importorskip("lightning.fabric") and "lightning.fabric"
+    assert _resolve(lightning, module, name) is not None, "not a Lightning name: drop it from the list"
+
+
+def test_the_public_fabric_methods_of_lightning_exist_on_ours():
+    lightning = pytest.importorskip("lightning.fabric")
+    theirs = {name for name in dir(lightning.Fabric) if not name.startswith("_")}
+    assert sorted(theirs - set(dir(Fabric))) == []
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_STRINGS)
+def test_a_strategy_string_lightning_code_passes_is_understood(strategy):
+    assert parse_strategy(strategy) is not None
+
+
+def test_is_wrapped_knows_what_setup_returned():
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from fabriclite import is_wrapped
+
+    fabric = Fabric(accelerator="cpu")
+    module, optimizer = nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    loader = DataLoader(range(4), batch_size=2)
+    assert not any(is_wrapped(obj) for obj in (module, optimizer, loader))
+    model, wrapped_optimizer = fabric.setup(module, optimizer)
+    assert is_wrapped(model) and is_wrapped(wrapped_optimizer) and is_wrapped(fabric.setup_dataloaders(loader))
+    assert is_wrapped(torch.compile(model)) and not is_wrapped(torch.compile(module))
+
+
+def test_find_usable_cuda_devices_without_cuda_asks_for_none_or_says_there_are_none():
+    import torch
+
+    from fabriclite.accelerators import find_usable_cuda_devices
+
+    assert find_usable_cuda_devices(0) == []
+    if torch.cuda.is_available():
+        assert len(find_usable_cuda_devices(1)) == 1
+        return
+    with pytest.raises(ValueError, match="more CUDA devices than this machine shows \\(0\\)"):
+        find_usable_cuda_devices(1)
+    with pytest.raises(ValueError, match="num_devices=-2 must be"):
+        find_usable_cuda_devices(-2)
