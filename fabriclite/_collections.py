@@ -20,6 +20,13 @@ def apply_to_collection(
     return _walk(data, dtype, lambda _, value: function(value, *args, **kwargs), ())
 
 
+def as_list(value: Any) -> list:
+    """``None`` -> ``[]``, a list or tuple -> a list of its items, anything else -> ``[value]``."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def map_with_path(data: Any, dtype: type | tuple[type, ...], function: Callable[[tuple, Any], Any]) -> Any:
     """Like ``apply_to_collection``, but ``function(path, element)`` also gets the tuple of keys and indices that
     lead to the element. Usage: ``map_with_path({"a": [t]}, torch.Tensor, f)`` calls ``f(("a", 0), t)``."""

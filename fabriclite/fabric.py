@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from fabriclite import checkpoint, choices
 from fabriclite._legacy import LegacyAPI
-from fabriclite._collections import apply_to_collection, convert_to_tensors, move_to_device, to_python_scalars
+from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device, to_python_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
 from fabriclite.callbacks import call_hook
 from fabriclite.collectives import check_reduce_op
@@ -28,12 +28,6 @@ from fabriclite.plugins.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy, select_strategy
 from fabriclite.wrappers import _FabricModule, _FabricOptimizer, wrap_model
-
-
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _rebuild_fabric(cls: type[Fabric], init_kwargs: dict[str, Any]) -> Fabric:
@@ -78,7 +72,7 @@ class Fabric(LegacyAPI):
         parsed_devices = choices.parse_devices(devices)
         nodes = choices.parse_num_nodes(num_nodes)
         precision_name = choices.parse_precision(precision)
-        user_precision, checkpoint_io, environment = split_plugins(_as_list(plugins))
+        user_precision, checkpoint_io, environment = split_plugins(as_list(plugins))
 
         self._accelerator: Accelerator = select_accelerator(accelerator_name, parsed_devices)
         self._strategy: Strategy = select_strategy(strategy_choice, self._accelerator, nodes)
@@ -94,8 +88,8 @@ class Fabric(LegacyAPI):
         self._kernels = bool(kernels) and kernels_usable(self.device) and self._precision.name != "64-true"
         self._compile = compile_kwargs(compile)
         self._compile_watches: list[CompileWatch] = []
-        self._callbacks = _as_list(callbacks)
-        self._loggers = _as_list(loggers)
+        self._callbacks = as_list(callbacks)
+        self._loggers = as_list(loggers)
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
         self._backward_ready = self._precision.scaler is None
         # The processes exist already (one process, or started by torchrun, SLURM, `fabriclite run` or our own
@@ -148,6 +142,13 @@ class Fabric(LegacyAPI):
     @property
     def accelerator(self) -> Accelerator:
         return self._accelerator
+
+    @property
+    def device_mesh(self) -> Any:
+        """The device mesh of FSDP and ``ModelParallelStrategy`` (``fabric.device_mesh["tensor_parallel"]``)."""
+        if not hasattr(type(self._strategy), "device_mesh"):
+            raise AttributeError(f"{type(self._strategy).__name__} has no device mesh; FSDP and model parallel do.")
+        return self._strategy.device_mesh
 
     @property
     def loggers(self) -> list:

@@ -18,7 +18,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 def passed(output: str) -> set[tuple[str, str]]:
     """The ``(rank, check name)`` pairs of the "PASS <rank> <name>" lines a check script printed (ranks share one
     pipe, so a line may run into the next one's PASS or DONE)."""
-    return set(re.findall(r"PASS ([01]) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
+    return set(re.findall(r"PASS ([0-9]+) ([^\n]+?)(?=PASS |DONE |\n|$)", output))
 
 
 def assert_passed(output: str, names: list[str] | tuple[str, ...], ranks: tuple[str, ...] = ("0", "1")) -> None:

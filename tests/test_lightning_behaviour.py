@@ -220,9 +220,13 @@ def test_fsdp_takes_lightnings_sharding_strategy_names():
 
     assert FSDPStrategy(sharding_strategy="FULL_SHARD").reshard_after_forward is True
     assert FSDPStrategy(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).reshard_after_forward is False
-    with pytest.raises(ValueError, match="'NO_SHARD' is not supported yet. For no sharding use strategy='ddp'"):
-        FSDPStrategy(sharding_strategy="NO_SHARD")
+    assert FSDPStrategy(sharding_strategy="NO_SHARD").mesh_kind == "replicate"
+    assert FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 4)).mesh_kind == "hybrid"
     with pytest.raises(ValueError, match="reshard_after_forward=False was also given"):
         FSDPStrategy(sharding_strategy="FULL_SHARD", reshard_after_forward=False)
     with pytest.raises(ValueError, match="sharding_strategy='ZERO3' is not supported. Valid: 'FULL_SHARD'"):
         FSDPStrategy(sharding_strategy="ZERO3")
+    with pytest.raises(ValueError, match="device_mesh=\\(2, 2\\) is for hybrid sharding"):
+        FSDPStrategy(sharding_strategy="FULL_SHARD", device_mesh=(2, 2))
+    with pytest.raises(ValueError, match="must be \\(replicate, shard\\): two ints >= 1"):
+        FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 0))

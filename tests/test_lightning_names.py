@@ -23,6 +23,7 @@ NAMES = [
     ("strategies", "DataParallelStrategy"),
     ("strategies", "DDPStrategy"),
     ("strategies", "FSDPStrategy"),
+    ("strategies", "ModelParallelStrategy"),
     ("plugins", "Precision"),
     ("plugins", "MixedPrecision"),
     ("plugins", "HalfPrecision"),

@@ -18,6 +18,7 @@ __all__ = [
     "DDPStrategy",
     "DataParallelStrategy",
     "FSDPStrategy",
+    "ModelParallelStrategy",
     "ParallelStrategy",
     "SingleDeviceStrategy",
     "Strategy",
@@ -40,6 +41,11 @@ def __getattr__(name: str) -> Any:
         return DataParallelStrategy
     if name == "FSDPStrategy":
         return _fsdp_strategy_class()
+    if name == "ModelParallelStrategy":
+        _fsdp_strategy_class()  # the same torch requirement, with its clear error
+        from fabriclite.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy
     raise AttributeError(f"module 'fabriclite.strategies' has no attribute {name!r}")
 
 

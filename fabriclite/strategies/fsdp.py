@@ -45,27 +45,55 @@ ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bo
 STATE_DICT_TYPES = ("sharded", "full")
 
 
-# FSDP1's sharding strategies that FSDP2 expresses with reshard_after_forward.
-SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+# FSDP1's sharding strategies as FSDP2 expresses them: (reshard_after_forward, mesh). "flat": shard over every
+# rank; "hybrid": a 2-D mesh (replicate, shard), sharded within a group and replicated across groups (HSDP);
+# "replicate": (world, 1), whole parameters everywhere, gradients all-reduced, as DDP.
+SHARDING_STRATEGIES = {
+    "FULL_SHARD": (True, "flat"),
+    "SHARD_GRAD_OP": (False, "flat"),
+    "HYBRID_SHARD": (True, "hybrid"),
+    "_HYBRID_SHARD_ZERO2": (False, "hybrid"),
+    "NO_SHARD": (False, "replicate"),
+}
 
 
-def _reshard_after_forward(sharding_strategy: Any, reshard_after_forward: bool) -> bool:
-    name = getattr(sharding_strategy, "name", sharding_strategy)  # ShardingStrategy.FULL_SHARD -> "FULL_SHARD"
-    if name in ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
-        raise ValueError(
-            f"sharding_strategy={name!r} is not supported yet. For no sharding use strategy='ddp' (the same "
-            "communication: gradients all-reduced, whole parameters on every rank)."
-        )
+def _sharding(sharding_strategy: Any, reshard_after_forward: bool, device_mesh: Any) -> tuple[bool, str]:
+    if sharding_strategy is None:
+        name = "HYBRID_SHARD" if device_mesh is not None else "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
+    else:
+        name = getattr(sharding_strategy, "name", sharding_strategy)  # ShardingStrategy.FULL_SHARD -> "FULL_SHARD"
     if name not in SHARDING_STRATEGIES:
         raise ValueError(
-            f"sharding_strategy={sharding_strategy!r} is not supported. Valid: 'FULL_SHARD', 'SHARD_GRAD_OP'."
+            f"sharding_strategy={sharding_strategy!r} is not supported. Valid: {', '.join(map(repr, SHARDING_STRATEGIES))}."
         )
-    if name == "FULL_SHARD" and reshard_after_forward is False:
+    if sharding_strategy is not None and name in ("FULL_SHARD", "HYBRID_SHARD") and reshard_after_forward is False:
         raise ValueError(
-            "sharding_strategy='FULL_SHARD' reshards after forward, but reshard_after_forward=False was also given; "
-            "pass one of them ('SHARD_GRAD_OP' is reshard_after_forward=False)."
+            f"sharding_strategy={name!r} reshards after forward, but reshard_after_forward=False was also given; "
+            "pass one of them ('SHARD_GRAD_OP' and '_HYBRID_SHARD_ZERO2' keep the parameters until backward)."
         )
-    return SHARDING_STRATEGIES[name]
+    resharding, mesh = SHARDING_STRATEGIES[name]
+    if device_mesh is not None and mesh != "hybrid":
+        raise ValueError(
+            f"device_mesh={device_mesh!r} is for hybrid sharding; with sharding_strategy={name!r} leave it out, or "
+            "pass sharding_strategy='HYBRID_SHARD'."
+        )
+    if device_mesh is not None and not _is_device_mesh(device_mesh):
+        if not (
+            isinstance(device_mesh, tuple)
+            and len(device_mesh) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in device_mesh)
+        ):
+            raise ValueError(
+                f"device_mesh={device_mesh!r} must be (replicate, shard): two ints >= 1 whose product is the world "
+                "size, e.g. (2, 8) for 2 nodes of 8 GPUs; or a 2-D torch DeviceMesh."
+            )
+    return resharding, mesh
+
+
+def _is_device_mesh(obj: Any) -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(obj, DeviceMesh)
 
 
 class FSDPStrategy(ParallelStrategy):
@@ -80,7 +108,9 @@ class FSDPStrategy(ParallelStrategy):
     - ``state_dict_type``: "sharded" (a directory, every rank writes its shards) or "full" (one file from rank 0).
     - ``sharding_strategy``: Lightning's FSDP1 spelling (a string or ``torch.distributed.fsdp.ShardingStrategy``):
       "FULL_SHARD" frees the gathered parameters after forward, "SHARD_GRAD_OP" keeps them until backward
-      (``reshard_after_forward=False``: more memory, one all-gather less).
+      (``reshard_after_forward=False``: more memory, one all-gather less); "HYBRID_SHARD" shards within groups of
+      ranks and replicates across them (HSDP: the all-gathers stay inside a node), on ``device_mesh=(replicate,
+      shard)`` or a 2-D ``DeviceMesh``, by default (num_nodes, devices per node); "NO_SHARD" replicates everything.
 
     Usage: ``Fabric(devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}), precision="bf16-mixed")``.
     """
@@ -100,12 +130,13 @@ class FSDPStrategy(ParallelStrategy):
         stall_timeout: float | None = 60.0,
         cluster_environment: ClusterEnvironment | None = None,
         sharding_strategy: Any = None,
+        device_mesh: tuple[int, int] | Any = None,
     ) -> None:
         super().__init__(
             process_group_backend, timeout, start_method, checkpoint_io, stall_timeout, cluster_environment
         )
-        if sharding_strategy is not None:
-            reshard_after_forward = _reshard_after_forward(sharding_strategy, reshard_after_forward)
+        reshard_after_forward, self.mesh_kind = _sharding(sharding_strategy, reshard_after_forward, device_mesh)
+        self._mesh_request = device_mesh  # the shape or mesh asked for; self.mesh is the mesh built
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported. Valid choices: 'sharded', 'full'.")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
@@ -131,14 +162,39 @@ class FSDPStrategy(ParallelStrategy):
             "_optimizers": weakref.WeakSet(),
         }
 
+    @property
+    def device_mesh(self) -> Any:
+        """The device mesh the parameters are sharded over; it exists once the processes run."""
+        if self.mesh is None:
+            raise RuntimeError("The device mesh exists once the processes run: call fabric.launch() first.")
+        return self.mesh
+
     def setup_environment(self) -> None:
-        """Join the process group, build the 1-D device mesh, and make the loss scaler agree across ranks."""
+        """Join the process group, build the device mesh (1-D, or (replicate, shard) for hybrid sharding), and make
+        the loss scaler agree across ranks."""
         super().setup_environment()
         if self.mesh is not None:
             return
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        if self.mesh_kind == "flat":
+            self.mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        elif _is_device_mesh(self._mesh_request):
+            self.mesh = self._mesh_request
+            if self.mesh.ndim != 2 or self.mesh.size() != self.world_size:
+                raise ValueError(
+                    f"device_mesh={self.mesh} must be 2-D (replicate, shard) and span all {self.world_size} processes."
+                )
+        else:
+            shape = self._mesh_request or (
+                (self.world_size, 1) if self.mesh_kind == "replicate" else (self.num_nodes, self.local_processes)
+            )
+            if shape[0] * shape[1] != self.world_size:
+                raise ValueError(
+                    f"device_mesh={shape} holds {shape[0] * shape[1]} processes, but the world size is "
+                    f"{self.world_size}: (replicate, shard) must multiply to it."
+                )
+            self.mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
         if self.precision is not None and self.precision.scaler is not None:
             self.precision.scaler = _rank_agreeing_scaler(self.precision.scaler)
 
@@ -178,7 +234,21 @@ class FSDPStrategy(ParallelStrategy):
             else {}
         )
         old_params = [(name, weakref.ref(p)) for name, p in module.named_parameters()]
+        module = self._shard(module)
+        if _has_meta(module):
+            module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
+        if self.world_size > 1:
+            self._copy_from_rank_zero(module, source)
+        new_params = dict(module.named_parameters())
+        for name, old in old_params:
+            if old() is not None:
+                self._sharded_params[id(old())] = (old, weakref.ref(new_params[name]))
+        for optimizer in list(self._optimizers):  # set up before this module: point them at the shards now
+            self._remap_optimizer(optimizer)
+        return module
 
+    def _shard(self, module: nn.Module) -> nn.Module:
+        # Activation checkpointing, then one fully_shard per unit (innermost first), then the root.
         if self.checkpoint_policy is not None:
             from torch.distributed._composable import checkpoint
 
@@ -200,17 +270,6 @@ class FSDPStrategy(ParallelStrategy):
         for unit in reversed(units):  # innermost first: a unit's parameters must not be claimed by an outer one
             fully_shard(unit, **options)
         fully_shard(module, **options)
-
-        if _has_meta(module):
-            module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
-        if self.world_size > 1:
-            self._copy_from_rank_zero(module, source)
-        new_params = dict(module.named_parameters())
-        for name, old in old_params:
-            if old() is not None:
-                self._sharded_params[id(old())] = (old, weakref.ref(new_params[name]))
-        for optimizer in list(self._optimizers):  # set up before this module: point them at the shards now
-            self._remap_optimizer(optimizer)
         return module
 
     def compile_module(self, module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
@@ -233,11 +292,17 @@ class FSDPStrategy(ParallelStrategy):
     @torch.no_grad()
     def _copy_from_rank_zero(self, module: nn.Module, source: dict[str, torch.Tensor]) -> None:
         # Rank 0 scatters each parameter's slices and broadcasts each buffer: one full tensor in flight at a time.
+        # A DTensor on a 2-D mesh, or on a sub-mesh without global rank 0 (tensor parallel x FSDP: the FSDP-only
+        # layers of the other tensor-parallel ranks), gets the whole tensor by broadcast and keeps its own slice.
         for name, tensor in _named_tensors(module).items():
             if isinstance(tensor, DTensor):
                 full = source[name] if self.is_global_zero else torch.empty(tensor.shape, dtype=tensor.dtype)
-                device = tensor.device_mesh.device_type
-                shard = distribute_tensor(full.to(device), tensor.device_mesh, tensor.placements, src_data_rank=0)
+                mesh = tensor.device_mesh
+                full = full.to(mesh.device_type)
+                scatter = mesh.ndim == 1 and mesh.size() == self.world_size
+                if not scatter:
+                    dist.broadcast(full, src=0)
+                shard = distribute_tensor(full, mesh, tensor.placements, src_data_rank=0 if scatter else None)
                 tensor.to_local().copy_(shard.to_local())
             else:
                 full = source[name].to(tensor.device) if self.is_global_zero else tensor

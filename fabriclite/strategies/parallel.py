@@ -180,7 +180,12 @@ class ParallelStrategy(Strategy):
         if not use_distributed_sampler:
             return dataloader
         seed = int(os.environ.get("FABRICLITE_GLOBAL_SEED", 0))
-        return distributed_loader(dataloader, self.world_size, self.global_rank, seed)
+        replicas, rank = self.data_parallel_shard()
+        return distributed_loader(dataloader, replicas, rank, seed)
+
+    def data_parallel_shard(self) -> tuple[int, int]:
+        """(how many different shards of the data there are, which one this rank reads): one per rank here."""
+        return self.world_size, self.global_rank
 
     # Collectives: before the process group exists (or after teardown) there is nobody to exchange with.
     def barrier(self, name: str | None = None) -> None:
