@@ -35,19 +35,22 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         assert config.n_embd % config.n_head == 0, f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}"
-        self.n_head = config.n_head
-        # Query, key and value in one matmul: faster than three small ones.
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.head_size = config.n_embd // config.n_head
+        # Query, key and value as three projections, so tensor parallelism can give each rank whole heads of each
+        # (examples/gpt/parallel.py); one fused (C, 3C) matmul would be split across q, k and v instead.
+        self.c_q = nn.Linear(config.n_embd, config.n_embd)
+        self.c_k = nn.Linear(config.n_embd, config.n_embd)
+        self.c_v = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        # -1 heads: all of them, or under tensor parallelism this rank's share.
+        q, k, v = (proj(x).view(B, T, -1, self.head_size).transpose(1, 2) for proj in (self.c_q, self.c_k, self.c_v))
         # is_causal masks the future inside the fused kernel (flash attention where the device has one), so the
         # (T, T) mask and attention weights are never materialised.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_size)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -9,6 +9,7 @@ Usage:
     python examples/gpt/train.py --quick                        # tiny model, 100 steps: seconds on one CPU core
     python examples/gpt/train.py                                # 0.8M parameters, 1000 steps
     python examples/gpt/train.py --devices 2 --strategy ddp     # two processes (CPU: gloo, CUDA: nccl)
+    python examples/gpt/train.py --devices 4 --tp 2             # tensor parallel 2 x FSDP2 2 (parallel.py)
     python examples/gpt/train.py --resume                       # continue from runs/gpt/last.ckpt
     python examples/gpt/train.py --text my_book.txt --out-dir runs/book
 """
@@ -35,7 +36,9 @@ from fabriclite import Fabric, seed_everything  # noqa: E402
 from fabriclite.kernels import kernels_available  # noqa: E402
 from fabriclite.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 from fabriclite.utilities.throughput import ThroughputMonitor, measure_flops  # noqa: E402
+from fabriclite.strategies import ModelParallelStrategy  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from parallel import parallelize  # noqa: E402
 
 # --quick: a model and a run small enough for CI (a few seconds of training on one CPU core). Flags given on the
 # command line still win, e.g. `--quick --max-steps 200`.
@@ -87,6 +90,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--devices", type=int, default=1, help="processes (CPU) or GPUs; more than 1 uses --strategy")
     parser.add_argument("--strategy", default="auto", help="auto, ddp or fsdp")
+    parser.add_argument(
+        "--tp", type=at_least(1), default=1, help="tensor-parallel size: N ranks split each block, FSDP2 over the rest"
+    )
     parser.add_argument("--precision", default="bf16-mixed", help="e.g. bf16-mixed, 32-true, 16-mixed, bf16-true")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (Fabric(compile=True))")
     parser.add_argument(
@@ -117,6 +123,12 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--resume: no checkpoint at {args.out_dir / CHECKPOINT}. Run without --resume to start one.")
     if not args.prompt:
         parser.error("--prompt must not be empty: the model needs at least one byte to continue.")
+    n_head = (QUICK_MODEL if args.quick else GPTConfig()).n_head
+    if args.tp > 1 and (args.strategy != "auto" or args.devices % args.tp or n_head % args.tp):
+        parser.error(
+            f"--tp {args.tp} needs --strategy auto (it brings its own), --devices a multiple of it (got {args.devices}) "
+            f"and the model's {n_head} heads divisible by it."
+        )
     return args
 
 
@@ -173,7 +185,9 @@ def main() -> None:
         tensorboard_note = "tensorboard is not installed: logging to CSV only (pip install tensorboard)"
     fabric = Fabric(
         accelerator=args.accelerator,
-        strategy=args.strategy,
+        strategy=args.strategy
+        if args.tp == 1
+        else ModelParallelStrategy(parallelize, args.devices // args.tp, args.tp),
         devices=args.devices,
         precision=args.precision,
         loggers=loggers,
@@ -242,13 +256,17 @@ def main() -> None:
         fabric.print(f"resumed from {checkpoint} at step {state['step']}")
     start_step = step = state["step"]
 
-    tokens_per_step = args.batch_size * model_config.block_size * args.grad_accum * fabric.world_size
+    # Ranks of one tensor-parallel group read the same windows: the data is split over world_size / tp ranks.
+    tokens_per_step = args.batch_size * model_config.block_size * args.grad_accum * fabric.world_size // args.tp
     # FLOPs of one optimizer step per process (forward and backward), counted on a model of meta tensors: no memory
     # and no time. MFU divides what was achieved by the device's dense peak (none on a CPU: no MFU there).
     with torch.device("meta"):
         meta_model = GPT(model_config)
         meta_x = torch.zeros(args.batch_size, model_config.block_size, dtype=torch.long)
-    flops_per_step = args.grad_accum * measure_flops(meta_model, lambda: meta_model(meta_x), lambda y: y.sum())
+    # Under tensor parallelism a group of --tp processes shares one batch's model FLOPs.
+    flops_per_step = (
+        args.grad_accum * measure_flops(meta_model, lambda: meta_model(meta_x), lambda y: y.sum()) / args.tp
+    )
     throughput = ThroughputMonitor(fabric, window_size=5)
     n_params = sum(p.numel() for p in model.parameters())
     fabric.print(

@@ -127,6 +127,25 @@ def test_ddp_on_two_processes_accumulates_without_syncing_every_micro_batch_and_
     assert "sample:\ndef " in out, out
 
 
+def test_tensor_parallel_on_two_processes_trains_like_one_process(tmp_path):
+    """--tp 2: each block split over 2 ranks (parallel.py), which read the same windows; fp32, so the two runs differ
+    only in the order of float sums."""
+    common = [*QUIET, "--precision", "32-true", "--max-steps", "6", "--log-every", "1", "--eval-every", "6"]
+    out = run_python(
+        TRAIN, *common, "--devices", "2", "--tp", "2", "--out-dir", str(tmp_path / "tp"), timeout=240
+    ).stdout
+    run_python(TRAIN, *common, "--out-dir", str(tmp_path / "one"), timeout=60)
+
+    assert "2 process(es) on cpu" in out and "1024 tokens per step" in out, out
+    rows_tp, rows_one = metrics_rows(tmp_path / "tp"), metrics_rows(tmp_path / "one")
+    for column in ("train_loss", "val_loss"):
+        expected = logged(rows_one, column)
+        assert logged(rows_tp, column).keys() == expected.keys()
+        for step, value in logged(rows_tp, column).items():
+            assert abs(value - expected[step]) < 1e-5, (column, step, value, expected[step])
+    assert logged(rows_tp, "train_loss")[6] < logged(rows_tp, "train_loss")[1] - 0.3  # and it did learn
+
+
 def test_kernels_through_the_triton_interpreter_train_like_torchs_ops(tmp_path):
     pytest.importorskip("triton", reason="fabriclite's kernels are written in Triton")
     # One 64-byte window per step keeps the interpreter (a Python loop per row) to a few seconds.
@@ -149,6 +168,7 @@ def test_bad_arguments_stop_before_training_with_a_message_naming_them(tmp_path)
         (["--grad-accum", "0"], "argument --grad-accum: must be >= 1, got '0'"),
         (["--text", str(tmp_path / "missing.txt")], f"--text {tmp_path / 'missing.txt'}: no such file"),
         (["--resume", "--out-dir", str(tmp_path)], f"--resume: no checkpoint at {tmp_path / 'last.ckpt'}"),
+        (["--tp", "2", "--devices", "3"], "--tp 2 needs --strategy auto (it brings its own), --devices a multiple"),
     ]
     for args, message in cases:
         result = run_python(TRAIN, *args, timeout=60, check=False)
