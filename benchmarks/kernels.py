@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import importlib
 import math
 import sys
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ NORM_WIDTHS = (768, 1024)
 ROWS = (4096, 8192, 16384, 32768)
 QUICK_ROWS = (4096, 32768)
 CROSS_ENTROPY_SHAPES = ((8192, 50257), (8192, 128256))
+ROPE_HEAD_DIM, ROPE_SEQ_LEN = 64, 1024
 MODES = ("forward", "backward", "both")
 IMPLEMENTATIONS = ("fabriclite", "torch", "torch.compile", "liger")
 
@@ -65,6 +67,20 @@ def _liger(name: str, *args: Any, **kwargs: Any) -> torch.nn.Module | None:
     except Exception as error:  # noqa: BLE001 - an API change in an optional peer must not stop the run
         print(f"(skipping Liger {name}: {error})", file=sys.stderr)
         return None
+
+
+def _liger_function(module: str, name: str) -> Callable[..., Any] | None:
+    """Liger-Kernel's function ``liger_kernel.<module>.<name>``, or None when not installed or not in this
+    version (the comparison is optional)."""
+    try:
+        return getattr(importlib.import_module(f"liger_kernel.{module}"), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 def _compiled(eager: Callable[..., Any]) -> Callable[..., Any]:
@@ -152,6 +168,72 @@ def norm_cases(rows_list: tuple[int, ...]) -> list[Case]:
                 )
             )
 
+            def add_rms_norm_eager(x, residual, weight, _n=width):
+                hidden = x + residual
+                return F.rms_norm(hidden, (_n,), weight, 1e-6), hidden
+
+            liger_add_rms = _liger("LigerFusedAddRMSNorm", width, eps=1e-6)
+            cases.append(
+                Case(
+                    "add_rms_norm",
+                    shape,
+                    lambda r=rows, n=width: {"x": _leaf(r, n), "residual": _leaf(r, n), "weight": _leaf(n)},
+                    {
+                        "fabriclite": lambda x, residual, weight: kernels.add_rms_norm(x, residual, weight, 1e-6),
+                        "torch": add_rms_norm_eager,
+                        "torch.compile": _compiled(add_rms_norm_eager),
+                        **(
+                            {"liger": lambda x, residual, weight, _m=liger_add_rms: _m(x, residual)}
+                            if liger_add_rms is not None
+                            else {}
+                        ),
+                    },
+                    # as add_layer_norm: x, residual in, normalized, sum out; dy, dsum, sum in, one gradient out.
+                    {"forward": 8 * elements, "backward": 8 * elements, "both": 16 * elements},
+                    tuple(liger_add_rms.parameters()) if liger_add_rms is not None else (),
+                )
+            )
+
+            # RoPE on this width's heads of 64 (12 or 16), keys with a quarter of them (grouped-query attention),
+            # in sequences of ROPE_SEQ_LEN tokens.
+            heads, batch = width // ROPE_HEAD_DIM, rows // ROPE_SEQ_LEN
+            rope_elements = rows * (heads + heads // 4) * ROPE_HEAD_DIM
+
+            def make_rope(b=batch, h=heads):
+                t, d = ROPE_SEQ_LEN, ROPE_HEAD_DIM
+                cos, sin = torch.randn(t, d, device=DEVICE, dtype=DTYPE), torch.randn(t, d, device=DEVICE, dtype=DTYPE)
+                return {"q": _leaf(b, t, h, d), "k": _leaf(b, t, h // 4, d), "cos": cos, "sin": sin}
+
+            def rope_eager(q, k, cos, sin):
+                cos, sin = cos[:, None], sin[:, None]  # (T, 1, D): over the heads
+                return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+            liger_rope = _liger_function("transformers.rope", "liger_rotary_pos_emb")
+            cases.append(
+                Case(
+                    "rope",
+                    f"{batch}x{ROPE_SEQ_LEN}x{heads}/{heads // 4}x{ROPE_HEAD_DIM}",  # B x T x H (q/k) x D
+                    make_rope,
+                    {
+                        "fabriclite": kernels.rope,
+                        "torch": rope_eager,
+                        "torch.compile": _compiled(rope_eager),
+                        # Liger takes (B, H, T, D) and (1, T, D) tables, and rotates in place.
+                        **(
+                            {
+                                "liger": lambda q, k, cos, sin, _f=liger_rope: _f(
+                                    q.transpose(1, 2), k.transpose(1, 2), cos[None], sin[None]
+                                )
+                            }
+                            if liger_rope is not None
+                            else {}
+                        ),
+                    },
+                    # q and k in, both rotated out; the (T, D) tables are small.
+                    {"forward": 4 * rope_elements, "backward": 4 * rope_elements, "both": 8 * rope_elements},
+                )
+            )
+
             # bias + GELU sits on the MLP's hidden layer, four times the model width.
             hidden_width, hidden_elements = 4 * width, 4 * elements
 
@@ -169,6 +251,27 @@ def norm_cases(rows_list: tuple[int, ...]) -> list[Case]:
                         "torch.compile": _compiled(bias_gelu_eager),
                     },
                     {"forward": 4 * hidden_elements, "backward": 6 * hidden_elements, "both": 10 * hidden_elements},
+                )
+            )
+
+            def swiglu_eager(a, b):
+                return F.silu(a) * b
+
+            liger_swiglu = _liger_function("ops.swiglu", "LigerSiLUMulFunction")
+            cases.append(
+                Case(
+                    "swiglu",
+                    f"{rows}x{hidden_width}",
+                    lambda r=rows, n=hidden_width: {"a": _leaf(r, n), "b": _leaf(r, n)},
+                    {
+                        "fabriclite": kernels.swiglu,
+                        "torch": swiglu_eager,
+                        "torch.compile": _compiled(swiglu_eager),
+                        # Liger writes its gradients into the saved a and b.
+                        **({"liger": liger_swiglu.apply} if liger_swiglu is not None else {}),
+                    },
+                    # forward: a, b in, y out; backward: dy, a, b in, da, db out.
+                    {"forward": 6 * hidden_elements, "backward": 10 * hidden_elements, "both": 16 * hidden_elements},
                 )
             )
     return cases
@@ -297,7 +400,16 @@ def main() -> int:
     parser.add_argument(
         "--ops",
         nargs="+",
-        choices=("layer_norm", "add_layer_norm", "rms_norm", "bias_gelu", "cross_entropy"),
+        choices=(
+            "layer_norm",
+            "add_layer_norm",
+            "rms_norm",
+            "add_rms_norm",
+            "rope",
+            "bias_gelu",
+            "swiglu",
+            "cross_entropy",
+        ),
         help="only these ops (default: all)",
     )
     parser.add_argument("--quick", action="store_true", help=f"norm rows {QUICK_ROWS} only")

@@ -1,10 +1,12 @@
-"""Hand-written Triton kernels: cross-entropy, layer norm (with a fused residual add), RMS norm and bias + GELU.
+"""Hand-written Triton kernels: cross-entropy, layer norm and RMS norm (each with a fused residual add), bias +
+GELU, rotary position embedding (RoPE) and SwiGLU.
 
 Each op lives in its own file (``fused_cross_entropy.py``, ``fused_layer_norm.py``, ``fused_rms_norm.py``,
-``fused_bias_gelu.py``; named apart from the functions so ``kernels.layer_norm`` is always the function) with its
-forward and backward ``@triton.jit`` kernels, the host functions that launch them, its ``torch.library`` custom op
-(so ``torch.compile`` traces it without a graph break) and its public function or module. ``swap.py`` replaces a
-model's ``nn.LayerNorm`` / ``nn.RMSNorm`` with the fused modules; ``Fabric(kernels=True)`` calls it on CUDA.
+``fused_bias_gelu.py``, ``fused_rope.py``, ``fused_swiglu.py``; named apart from the functions so
+``kernels.layer_norm`` is always the function) with its forward and backward ``@triton.jit`` kernels, the host
+functions that launch them, its ``torch.library`` custom op (so ``torch.compile`` traces it without a graph break)
+and its public function or module. ``swap.py`` replaces a model's ``nn.LayerNorm`` / ``nn.RMSNorm`` with the fused
+modules; ``Fabric(kernels=True)`` calls it on CUDA.
 
 Importing this package is cheap: triton is imported (and the ops registered with ``torch.library``) on first use of
 a name below. The kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set before triton is
@@ -32,7 +34,10 @@ _LAZY = {
     "LayerNorm": "fused_layer_norm",
     "rms_norm": "fused_rms_norm",
     "RMSNorm": "fused_rms_norm",
+    "add_rms_norm": "fused_rms_norm",
     "bias_gelu": "fused_bias_gelu",
+    "rope": "fused_rope",
+    "swiglu": "fused_swiglu",
     "swap_modules": "swap",
 }
 

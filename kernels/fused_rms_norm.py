@@ -1,10 +1,14 @@
-"""RMS norm: ``x * rsqrt(mean(x ** 2) + eps) * weight`` over the trailing dimensions, as ``F.rms_norm``.
+"""RMS norm: ``x * rsqrt(mean(x ** 2) + eps) * weight`` over the trailing dimensions, as ``F.rms_norm``, alone or
+fused with the residual add in front of it (``add_rms_norm``).
 
 Forward: one row per program, the whole row in one block, fp32 statistics; the per-row rstd (one fp32) is saved for
-the backward. Backward: each program walks a contiguous range of rows, writes their input gradient and keeps an
-fp32 partial sum of the weight gradient; the host adds up the partials. ``eps=None`` means fp32's eps, as in
-torch, which computes fp32, bf16 and fp16 RMS norm in fp32 and takes the eps of that dtype (bf16's own, 0.0078,
-would swamp ``mean(x ** 2)`` of small activations).
+the backward. With a residual the kernel also writes ``x + residual`` (the residual stream of a pre-norm
+transformer) and normalizes that sum as stored. Backward: each program walks a contiguous range of rows, writes
+their input gradient and keeps an fp32 partial sum of the weight gradient; the host adds up the partials.
+``add_rms_norm``'s backward adds the gradient arriving at the sum output to the input gradient, and that total is
+the gradient of both ``x`` and ``residual``. ``eps=None`` means fp32's eps, as in torch, which computes fp32, bf16
+and fp16 RMS norm in fp32 and takes the eps of that dtype (bf16's own, 0.0078, would swamp ``mean(x ** 2)`` of
+small activations).
 """
 
 import math
@@ -29,11 +33,15 @@ from fabriclite.kernels._common import (
 def _rms_norm_forward_kernel(
     x_ptr,
     x_row_stride,
+    residual_ptr,
+    residual_row_stride,
+    sum_ptr,
     y_ptr,
     weight_ptr,
     rstd_ptr,
     n_cols,
     eps,
+    HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -41,6 +49,12 @@ def _rms_norm_forward_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+        # Normalize the sum as stored, so the backward (which reads it back) sees the same numbers.
+        x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     y = x * rstd
     if HAS_WEIGHT:
@@ -55,6 +69,9 @@ def _rms_norm_backward_kernel(
     dy_ptr,
     dy_row_stride,
     dy_col_stride,
+    dsum_ptr,
+    dsum_row_stride,
+    dsum_col_stride,
     x_ptr,
     x_row_stride,
     weight_ptr,
@@ -63,6 +80,7 @@ def _rms_norm_backward_kernel(
     n_rows,
     n_cols,
     rows_per_program,
+    HAS_DSUM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -89,6 +107,10 @@ def _rms_norm_backward_kernel(
             w_dy = dy
         # dx = rstd * (w_dy - x_hat * mean(w_dy * x_hat))
         dx = (w_dy - x_hat * (tl.sum(w_dy * x_hat, axis=0) / n_cols)) * rstd
+        if HAS_DSUM:
+            dx += tl.load(dsum_ptr + row * dsum_row_stride + cols * dsum_col_stride, mask=mask, other=0.0).to(
+                tl.float32
+            )
         tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             dweight += dy * x_hat
@@ -97,12 +119,22 @@ def _rms_norm_backward_kernel(
 
 
 def _forward(
-    x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor], eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    normalized_shape: list[int],
+    weight: Optional[torch.Tensor],
+    eps: float,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Returns (y, x + residual or None, rstd), y and the sum shaped like x, rstd like x's leading dimensions."""
     n_cols = math.prod(normalized_shape)
     x_rows = contiguous_rows(x, n_cols)
     n_rows = x_rows.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        residual_rows = contiguous_rows(residual, n_cols)
+        summed = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    else:
+        residual_rows, summed = x_rows, None
+    y = torch.empty(x.shape, dtype=x.dtype if summed is None else summed.dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     weight = weight.contiguous() if weight is not None else None
     block = row_block(n_cols)
@@ -112,25 +144,36 @@ def _forward(
             (n_rows,),
             x_rows,
             x_rows.stride(0),
+            residual_rows,
+            residual_rows.stride(0),
+            y if summed is None else summed,
             y,
             x_rows if weight is None else weight,
             rstd,
             n_cols,
             eps,
+            HAS_RESIDUAL=residual is not None,
             HAS_WEIGHT=weight is not None,
             BLOCK=block,
             num_warps=num_warps(block),
         )
-    return y, rstd.view(x.shape[: x.dim() - len(normalized_shape)])
+    return y, summed, rstd.view(x.shape[: x.dim() - len(normalized_shape)])
 
 
 def _backward(
-    dy: torch.Tensor, x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor], rstd: torch.Tensor
+    dy: torch.Tensor,
+    dsum: Optional[torch.Tensor],
+    x: torch.Tensor,
+    normalized_shape: list[int],
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight) where dx includes ``dsum``; dweight is empty without a weight."""
     n_cols = math.prod(normalized_shape)
     x_rows = contiguous_rows(x, n_cols)
     n_rows = x_rows.shape[0]
     dy_rows = as_rows(dy, n_cols)
+    dsum_rows = as_rows(dsum, n_cols) if dsum is not None else dy_rows
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     weight = weight.contiguous() if weight is not None else None
     programs = reduction_programs(x.device, n_rows)
@@ -145,6 +188,9 @@ def _backward(
             dy_rows,
             dy_rows.stride(0),
             dy_rows.stride(1),
+            dsum_rows,
+            dsum_rows.stride(0),
+            dsum_rows.stride(1),
             x_rows,
             x_rows.stride(0),
             x_rows if weight is None else weight,
@@ -153,6 +199,7 @@ def _backward(
             n_rows,
             n_cols,
             triton.cdiv(n_rows, programs),
+            HAS_DSUM=dsum is not None,
             HAS_WEIGHT=weight is not None,
             BLOCK=block,
             num_warps=num_warps(block),
@@ -168,7 +215,8 @@ def _rms_norm_op(
     x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor], eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (y, rstd)."""
-    return _forward(x, normalized_shape, weight, eps)
+    y, _, rstd = _forward(x, None, normalized_shape, weight, eps)
+    return y, rstd
 
 
 @_rms_norm_op.register_fake
@@ -177,16 +225,36 @@ def _(x, normalized_shape, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format), rstd
 
 
+@torch.library.custom_op("fabriclite::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual, rstd), normalizing over the last dimension."""
+    y, summed, rstd = _forward(x, residual, [x.shape[-1]], weight, eps)
+    return y, summed, rstd
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return out, torch.empty_like(out), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
 @torch.library.custom_op("fabriclite::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor], rstd: torch.Tensor
+    dy: torch.Tensor,
+    dsum: Optional[torch.Tensor],
+    x: torch.Tensor,
+    normalized_shape: list[int],
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dx, dweight); dweight is empty without a weight."""
-    return _backward(dy, x, normalized_shape, weight, rstd)
+    """Returns (dx, dweight) where dx includes ``dsum``; dweight is empty without a weight."""
+    return _backward(dy, dsum, x, normalized_shape, weight, rstd)
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, x, normalized_shape, weight, rstd):
+def _(dy, dsum, x, normalized_shape, weight, rstd):
     dweight = torch.empty_like(weight) if weight is not None else x.new_empty(0, dtype=torch.float32)
     return torch.empty_like(x, memory_format=torch.contiguous_format), dweight
 
@@ -200,11 +268,27 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward_formula(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dweight = torch.ops.fabriclite.rms_norm_backward(dy, x, ctx.normalized_shape, weight, rstd)
+    dx, dweight = torch.ops.fabriclite.rms_norm_backward(dy, None, x, ctx.normalized_shape, weight, rstd)
     return dx, None, dweight if weight is not None else None, None
 
 
+def _add_setup_context(ctx, inputs, output) -> None:
+    x, residual, weight, _ = inputs
+    _, summed, rstd = output
+    ctx.save_for_backward(summed, weight, rstd)
+    ctx.dtypes = (x.dtype, residual.dtype)
+    ctx.mark_non_differentiable(rstd)
+
+
+def _add_backward_formula(ctx, dy, dsum, _drstd):
+    summed, weight, rstd = ctx.saved_tensors
+    x_dtype, residual_dtype = ctx.dtypes
+    dx, dweight = torch.ops.fabriclite.rms_norm_backward(dy, dsum, summed, [summed.shape[-1]], weight, rstd)
+    return dx.to(x_dtype), dx.to(residual_dtype), dweight if weight is not None else None, None
+
+
 _rms_norm_op.register_autograd(_backward_formula, setup_context=_setup_context)
+_add_rms_norm_op.register_autograd(_add_backward_formula, setup_context=_add_setup_context)
 
 
 # ---------------------------------------------------------------------- public API
@@ -231,6 +315,35 @@ def rms_norm(
     return torch.ops.fabriclite.rms_norm(x, shape, weight, float(eps))[0]
 
 
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    eps: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual, weight, eps), x + residual)`` over the last dimension, in one kernel; ``eps=None``
+    is fp32's eps, as in ``rms_norm``.
+
+    Usage: ``normed, hidden = add_rms_norm(attn_out, hidden, norm.weight, norm.eps)``.
+    """
+    if x.shape != residual.shape:
+        raise ValueError(
+            f"add_rms_norm needs x and residual of one shape (no broadcasting); got {tuple(x.shape)} and "
+            f"{tuple(residual.shape)}."
+        )
+    if x.dim() == 0 or (weight is not None and tuple(weight.shape) != (x.shape[-1],)):
+        weight_shape = None if weight is None else tuple(weight.shape)
+        raise ValueError(
+            f"add_rms_norm normalizes over the last dimension and needs a 1-D weight as long as it; got x "
+            f"{tuple(x.shape)} and weight {weight_shape}. For several trailing dimensions use rms_norm(x + residual)."
+        )
+    check_dtypes("add_rms_norm", "torch.nn.functional.rms_norm(x + residual, ...)", x, residual, weight)
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps  # the dtype the kernel computes in, whatever x's dtype
+    y, summed, _ = torch.ops.fabriclite.add_rms_norm(x, residual, weight, float(eps))
+    return y, summed
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """``nn.RMSNorm`` (same parameters, state_dict keys and arguments) whose forward runs the Triton kernels.
 
@@ -241,4 +354,4 @@ class RMSNorm(torch.nn.RMSNorm):
         return rms_norm(x, self.weight, self.eps, self.normalized_shape)
 
 
-__all__ = ["RMSNorm", "rms_norm"]
+__all__ = ["RMSNorm", "add_rms_norm", "rms_norm"]

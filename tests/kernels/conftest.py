@@ -10,6 +10,8 @@ import os
 import sys
 from importlib.util import find_spec
 
+import pytest
+
 _chosen_outside = "TRITON_INTERPRET" in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -20,3 +22,14 @@ elif not _chosen_outside and any(name.startswith("fabriclite.kernels.fused_") fo
         "fabriclite's kernels were imported (and compiled for the GPU) before tests/kernels/conftest.py could set "
         "TRITON_INTERPRET=1; set it in the environment, or find the test that imports them first."
     )
+
+
+@pytest.fixture(autouse=True)
+def _compile_the_code_under_test():
+    """torch.compile tests compile the kernels' current code. AOT autograd's cache keys a compiled forward and
+    backward on the traced forward graph, not on the backward formula a custom op registers, so a changed formula
+    (or backward op schema) would otherwise replay the backward compiled from the old code, on this machine only."""
+    import torch._functorch.config
+
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        yield

@@ -12,7 +12,7 @@ CHILD = r"""
 import sys
 import torch
 import torch.nn.functional as F
-from fabriclite.kernels import bias_gelu, cross_entropy, layer_norm, rms_norm
+from fabriclite.kernels import add_rms_norm, bias_gelu, cross_entropy, layer_norm, rms_norm, rope, swiglu
 
 device, row, n = sys.argv[1], 2**30, 37
 try:
@@ -35,6 +35,15 @@ values = torch.randn(3, n, device=device).bfloat16()
 weight = torch.randn(n, device=device).bfloat16()
 target = torch.tensor([1, 5, 36], device=device)
 reference = values.double().requires_grad_()
+angles = torch.arange(3, device=device)[:, None] * torch.rand(36, device=device)
+cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+
+def as_heads(x):
+    return x[None, :, None, :36]  # (B, T, H, D) = (1, 3, 1, 36), positions 2**30 elements apart
+
+def rotated(x):
+    half = torch.cat((-x[..., 18:], x[..., :18]), dim=-1)
+    return x * cos.double()[:, None] + half * sin.double()[:, None]
 
 logits = far_rows(values)
 check("cross_entropy", cross_entropy(logits, target, reduction="none"), F.cross_entropy(reference, target, reduction="none"))
@@ -43,6 +52,9 @@ for name, op, torch_op in [
     ("layer_norm", lambda x: layer_norm(x, (n,), weight), lambda x: F.layer_norm(x, (n,), weight.double())),
     ("rms_norm", lambda x: rms_norm(x, weight, 1e-6), lambda x: F.rms_norm(x, (n,), weight.double(), 1e-6)),
     ("bias_gelu", lambda x: bias_gelu(x, weight), lambda x: F.gelu(x + weight.double())),
+    ("add_rms_norm", lambda x: add_rms_norm(x, x, weight, 1e-6)[0], lambda x: F.rms_norm(2 * x, (n,), weight.double(), 1e-6)),
+    ("swiglu", lambda x: swiglu(x, x), lambda x: F.silu(x) * x),
+    ("rope", lambda x: rope(as_heads(x), as_heads(x), cos, sin)[0], lambda x: rotated(as_heads(x))),
 ]:
     x = far_rows(values)
     reference.grad = None

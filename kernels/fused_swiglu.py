@@ -1,0 +1,183 @@
+"""SwiGLU's gate: ``silu(a) * b``, the gated MLP of Llama-style models (``down(silu(gate(x)) * up(x))``).
+
+Both kernels work on (BLOCK_M, BLOCK_N) tiles of the (rows, N) views of a and b, which may have their own row
+strides: a and b are often the two halves of one fused gate-and-up projection (``h.chunk(2, dim=-1)``), and are
+read where they lie. The forward reads a and b once and writes y; ``silu(a)`` is never stored, the backward
+recomputes it from the saved inputs and writes ``da = dy * b * silu'(a)`` and ``db = dy * silu(a)`` with
+``silu'(a) = sigmoid(a) * (1 + a * (1 - sigmoid(a)))``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from fabriclite.kernels._common import as_rows, check_dtypes, contiguous_rows, launch, num_warps
+
+# Tile shape: at most BLOCK_N_MAX columns, and about TILE elements per program.
+BLOCK_N_MAX = 1024
+TILE = 4096
+
+
+@triton.jit
+def _swiglu_forward_kernel(
+    a_ptr,
+    a_row_stride,
+    b_ptr,
+    b_row_stride,
+    y_ptr,
+    n_rows,
+    n_cols,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    a = tl.load(a_ptr + rows[:, None] * a_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows[:, None] * b_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = a * tl.sigmoid(a) * b
+    tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_kernel(
+    da_ptr,
+    db_ptr,
+    dy_ptr,
+    dy_row_stride,
+    dy_col_stride,
+    a_ptr,
+    a_row_stride,
+    b_ptr,
+    b_row_stride,
+    n_rows,
+    n_cols,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    a = tl.load(a_ptr + rows[:, None] * a_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows[:, None] * b_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # dy may be an expanded gradient (strides 0), hence both strides.
+    dy_offsets = rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride
+    dy = tl.load(dy_ptr + dy_offsets, mask=mask, other=0.0).to(tl.float32)
+    sigmoid = tl.sigmoid(a)
+    silu = a * sigmoid
+    da = dy * b * (sigmoid + silu * (1.0 - sigmoid))
+    db = dy * silu
+    out = rows[:, None] * n_cols + cols[None, :]
+    tl.store(da_ptr + out, da.to(da_ptr.dtype.element_ty), mask=mask)
+    tl.store(db_ptr + out, db.to(db_ptr.dtype.element_ty), mask=mask)
+
+
+def _blocks(n_cols: int) -> tuple[int, int]:
+    block_n = min(triton.next_power_of_2(n_cols), BLOCK_N_MAX)
+    return max(1, TILE // block_n), block_n
+
+
+def _forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
+    if a.numel() == 0:
+        return y
+    n_cols = a.shape[-1] if a.dim() else 1
+    a_rows, b_rows = contiguous_rows(a, n_cols), contiguous_rows(b, n_cols)
+    n_rows = a_rows.shape[0]
+    block_m, block_n = _blocks(n_cols)
+    launch(
+        _swiglu_forward_kernel,
+        (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n)),
+        a_rows,
+        a_rows.stride(0),
+        b_rows,
+        b_rows.stride(0),
+        y,
+        n_rows,
+        n_cols,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps(block_m * block_n),
+    )
+    return y
+
+
+def _backward(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    db = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    if a.numel() == 0:
+        return da, db
+    n_cols = a.shape[-1] if a.dim() else 1
+    a_rows, b_rows, dy_rows = contiguous_rows(a, n_cols), contiguous_rows(b, n_cols), as_rows(dy, n_cols)
+    n_rows = a_rows.shape[0]
+    block_m, block_n = _blocks(n_cols)
+    launch(
+        _swiglu_backward_kernel,
+        (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n)),
+        da,
+        db,
+        dy_rows,
+        dy_rows.stride(0),
+        dy_rows.stride(1),
+        a_rows,
+        a_rows.stride(0),
+        b_rows,
+        b_rows.stride(0),
+        n_rows,
+        n_cols,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps(block_m * block_n),
+    )
+    return da, db
+
+
+# ---------------------------------------------------------------------- torch.library registration
+@torch.library.custom_op("fabriclite::swiglu", mutates_args=())
+def _swiglu_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _forward(a, b)
+
+
+@_swiglu_op.register_fake
+def _(a, b):
+    return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
+
+
+@torch.library.custom_op("fabriclite::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (da, db)."""
+    return _backward(dy, a, b)
+
+
+@_swiglu_backward_op.register_fake
+def _(dy, a, b):
+    return a.new_empty(a.shape), b.new_empty(b.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward_formula(ctx, dy):
+    a, b = ctx.saved_tensors
+    return torch.ops.fabriclite.swiglu_backward(dy, a, b)
+
+
+_swiglu_op.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------- public API
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``F.silu(a) * b`` in one kernel, for a and b of one shape (the gate and up projections of a gated MLP).
+
+    Usage: ``h = down(swiglu(gate(x), up(x)))``, or ``swiglu(*gate_up(x).chunk(2, dim=-1))``.
+    """
+    if a.shape != b.shape:
+        raise ValueError(
+            f"swiglu needs a and b of one shape (no broadcasting); got {tuple(a.shape)} and {tuple(b.shape)}."
+        )
+    check_dtypes("swiglu", "torch.nn.functional.silu(a) * b", a, b)
+    return torch.ops.fabriclite.swiglu(a, b)
+
+
+__all__ = ["swiglu"]
