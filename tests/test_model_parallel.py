@@ -19,6 +19,7 @@ TRAINING_CHECKS = [
     "parameters are DTensors on the mesh",
     "every step's loss equals one process on the full batch",
     "a loaded checkpoint resumes with the same losses",
+    "an empty init equals a normal one",
 ]
 RANKS = ("0", "1", "2", "3")
 
@@ -28,9 +29,13 @@ def names(mode, checks):
 
 
 @pytest.fixture(scope="module")
-def four_process_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mesh")
-    return run_python(str(SCRIPTS / "mesh_checks.py"), str(out), "hsdp,noshard,tp", timeout=600).stdout
+def mesh_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("mesh")
+
+
+@pytest.fixture(scope="module")
+def four_process_run(mesh_folder):
+    return run_python(str(SCRIPTS / "mesh_checks.py"), str(mesh_folder), "hsdp,noshard,tp", timeout=600).stdout
 
 
 @pytest.mark.parametrize("mode", ["tp", "hsdp", "noshard"])
@@ -46,6 +51,27 @@ def test_a_parallelize_fn_that_returns_nothing_shards_nothing_or_misnames_the_me
         "a mesh dimension name that does not exist is named",
     ]
     assert_passed_four(four_process_run, names("tp", checks))
+
+
+@pytest.mark.parametrize("mode", ["tp", "hsdp"])
+def test_a_mesh_checkpoint_consolidates_and_loads_into_one_plain_process(four_process_run, mesh_folder, tmp_path, mode):
+    """The 4-process sharded folder, resharded by DCP onto one process without any mesh, and consolidated into one
+    file plain torch.load reads: the same trained weights both ways."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS))
+    from mesh_checks import Net
+
+    folder = mesh_folder / mode / "mid.ckpt"
+    run_python("-m", "fabriclite.cli", "consolidate", str(folder), str(tmp_path / "one.pt"), timeout=120)
+    consolidated = torch.load(tmp_path / "one.pt", weights_only=True)["model"]
+    model = Net()
+    Fabric(accelerator="cpu").load(folder, {"model": model}, strict=False)
+    torch.manual_seed(0)
+    initial = Net().state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, consolidated[name]), name
+        assert not torch.equal(tensor, initial[name]), f"{name} was not trained"
 
 
 def test_two_nodes_over_loopback_build_the_mesh_nodes_by_devices(tmp_path):

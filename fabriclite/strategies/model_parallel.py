@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fabriclite.plugins.environments import ClusterEnvironment
-from fabriclite.strategies.fsdp import FSDPStrategy, _no_gradient_sync, _rank_agreeing_scaler
+from fabriclite.strategies.fsdp import FSDPStrategy, _has_meta, _no_gradient_sync, _rank_agreeing_scaler
 
 MESH_DIMS = ("data_parallel", "tensor_parallel")
 
@@ -94,6 +94,11 @@ class ModelParallelStrategy(FSDPStrategy):
         return dp_mesh.size(), dp_mesh.get_local_rank()
 
     def _shard(self, module: nn.Module) -> nn.Module:
+        if self.world_size > 1 and any(self.all_gather_object(_has_meta(module))):
+            # An empty init: the other ranks hold meta tensors, so rank 0's real ones would make parallelize_fn's
+            # distribute_tensor calls communicate on rank 0 alone. Rank 0's weights are kept aside by setup_module
+            # and copied into every rank's slices afterwards.
+            module.to("meta")
         try:
             result = self.parallelize_fn(module, self.device_mesh)
         except KeyError as err:

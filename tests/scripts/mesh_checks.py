@@ -132,6 +132,17 @@ def run(mode, out, from_cli):
         f"{resumed} vs {losses[SAVED_AT:]}",
     )
 
+    # init_module(empty_init=True): rank 0 builds the weights, the others nothing; after parallelizing, every rank
+    # holds its slices of rank 0's, so the model equals one built normally with the same seed.
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        empty = Net()
+    empty = fabric.setup_module(empty)
+    torch.manual_seed(0)
+    reference = Net()
+    full = {name: t.full_tensor() for name, t in empty.module.state_dict().items()}
+    check("an empty init equals a normal one", all(torch.equal(full[n], t) for n, t in reference.state_dict().items()))
+
     if mode == "tp":
         strategy = fabric.strategy
         for name, function, error in [
