@@ -70,6 +70,22 @@ def full_value(data: Any) -> Any:
     return apply_to_collection(data, tensor_module.DTensor, lambda t: t.full_tensor())
 
 
+# The group metrics sync over when given none: the whole world (None), or under ModelParallelStrategy this rank's
+# data-parallel group, since the ranks of one tensor-parallel group see the same batch and would count it once each.
+_metric_group: Any = None
+
+
+def set_metric_group(group: Any) -> None:
+    """Make ``group`` the default group of metric syncs (None: the whole world). Set by the strategy."""
+    global _metric_group
+    _metric_group = group
+
+
+def metric_group() -> Any:
+    """The default group of metric syncs; see ``set_metric_group``."""
+    return _metric_group
+
+
 def is_distributed(group: Any = None) -> bool:
     """Whether there is more than one process to exchange data with."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1

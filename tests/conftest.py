@@ -16,3 +16,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# What a launcher writes into a process's environment. A test that runs a launch inside the pytest process would
+# leave them behind, and every later test's child processes would inherit a stale "you are rank 0 of 1".
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "FABRICLITE_LAUNCHER")
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_variables_leak():
+    before = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    yield
+    leaked = {name: os.environ[name] for name in LAUNCH_VARIABLES if os.environ.get(name) != before[name]}
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    assert not leaked, f"the test left launch variables in the pytest process: {leaked}; run its launch in a subprocess"

@@ -7,11 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from torch import nn
 
 from fabriclite import Fabric
 from fabriclite.plugins.environments import free_port
-from fabriclite.strategies import FSDPStrategy, ModelParallelStrategy
+from fabriclite.strategies import ModelParallelStrategy
 from helpers import SCRIPTS, assert_passed, run_python
 
 TRAINING_CHECKS = [
@@ -20,6 +19,7 @@ TRAINING_CHECKS = [
     "every step's loss equals one process on the full batch",
     "a loaded checkpoint resumes with the same losses",
     "an empty init equals a normal one",
+    "a metric counts every sample once",
 ]
 RANKS = ("0", "1", "2", "3")
 
@@ -97,12 +97,19 @@ def assert_passed_four(output, checks):
 
 
 def test_sizes_that_do_not_multiply_to_the_world_size_are_refused():
-    with pytest.raises(
-        ValueError, match="data_parallel_size \\* tensor_parallel_size = 2 \\* 1 = 2, but the world size is 1"
-    ):
-        Fabric(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(lambda m, mesh: m, 2, 1)).launch()
-    with pytest.raises(ValueError, match="device_mesh=\\(2, 2\\) holds 4 processes, but the world size is 1"):
-        Fabric(accelerator="cpu", strategy=FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2))).launch()
+    # In a child process: a launch sets the launch variables and a process group in the process that runs it.
+    code = """
+from fabriclite import Fabric
+from fabriclite.strategies import FSDPStrategy, ModelParallelStrategy
+for strategy in (ModelParallelStrategy(lambda m, mesh: m, 2, 1), FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2))):
+    try:
+        Fabric(accelerator="cpu", devices=1, strategy=strategy).launch()
+    except ValueError as err:
+        print(err)
+"""
+    out = run_python("-c", code, timeout=120).stdout
+    assert "data_parallel_size * tensor_parallel_size = 2 * 1 = 2, but the world size is 1" in out, out
+    assert "device_mesh=(2, 2) holds 4 processes, but the world size is 1" in out, out
 
 
 @pytest.mark.parametrize(
@@ -127,16 +134,21 @@ def test_invalid_model_parallel_options_say_what_is_valid(kwargs, error, match):
 
 
 def test_one_process_runs_the_parallelize_fn_on_a_1x1_mesh_and_exposes_it():
-    seen = {}
-
-    def parallelize(model, mesh):
-        seen["dims"] = mesh.mesh_dim_names
-        return model
-
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(parallelize))
-    fabric.launch()
-    model = fabric.setup(nn.Linear(2, 2))
-    assert seen["dims"] == ("data_parallel", "tensor_parallel") and fabric.device_mesh.shape == (1, 1)
-    assert torch.isfinite(model(torch.ones(1, 2))).all()
+    code = """
+import torch
+from torch import nn
+from fabriclite import Fabric
+from fabriclite.strategies import ModelParallelStrategy
+seen = {}
+def parallelize(model, mesh):
+    seen["dims"] = mesh.mesh_dim_names
+    return model
+fabric = Fabric(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(parallelize))
+fabric.launch()
+model = fabric.setup(nn.Linear(2, 2))
+print(seen["dims"], tuple(fabric.device_mesh.shape), bool(torch.isfinite(model(torch.ones(1, 2))).all()))
+"""
+    out = run_python("-c", code, timeout=120).stdout
+    assert "('data_parallel', 'tensor_parallel') (1, 1) True" in out, out
     with pytest.raises(AttributeError, match="SingleDeviceStrategy has no device mesh"):
         _ = Fabric(accelerator="cpu").device_mesh

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from fabriclite._padding import current_padding
-from fabriclite.collectives import is_distributed
+from fabriclite.collectives import is_distributed, metric_group
 from fabriclite.metrics._sync import Reduction, State, sync_states
 
 _NAMED_REDUCTIONS = ("sum", "mean", "min", "max", "cat")
@@ -54,7 +54,8 @@ class Metric(nn.Module):
         sync_on_compute: sync the states across processes in ``compute()`` when ``torch.distributed`` is initialized
             with more than one process. Every rank must then call ``compute()``: it runs collectives.
         compute_with_cache: return the cached value from ``compute()`` until the next ``update`` (single process).
-        process_group: the group to sync over (default: the whole world).
+        process_group: the group to sync over (default: the whole world; under ModelParallelStrategy the
+            data-parallel ranks, since the ranks of one tensor-parallel group see the same batch).
         drop_padding: drop the rows the data loader marked as padding (duplicates added by ``DistributedSampler``).
             Rows are dropped from every tensor argument whose first dimension equals the batch size; when none
             does (a per-token metric fed ``(batch * tokens)`` rows, say), nothing is dropped.
@@ -235,7 +236,7 @@ class Metric(nn.Module):
             return
         if self._local_states is not None:
             raise RuntimeError(f"{type(self).__name__} is already synced; call unsync() first")
-        group = process_group if process_group is not None else self.process_group
+        group = next((g for g in (process_group, self.process_group, metric_group()) if g is not None), None)
         if not is_distributed(group):
             return
         self._local_states = self.metric_state
@@ -452,7 +453,7 @@ def _wrap_compute(compute: Callable) -> Callable:
             self.sync_on_compute
             and not self._forwarding
             and self._local_states is None
-            and is_distributed(self.process_group)
+            and is_distributed(self.process_group if self.process_group is not None else metric_group())
         )
         # The cache serves one process only. Across processes it would be wrong (another rank may have updated
         # since) and could deadlock (a rank answering from its cache skips the collectives the others wait in).

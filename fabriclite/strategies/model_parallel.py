@@ -4,7 +4,8 @@ dimension and FSDP2 (``fully_shard``) on its "data_parallel" dimension, in that 
 
 Everything after the user's function is FSDP's (``FSDPStrategy``): empty init on rank 0 and slices copied from it,
 optimizers pointed at the new parameters, gradient clipping over DTensors, sharded DCP checkpoints. What differs:
-the mesh, the data (ranks of one tensor-parallel group read the same batch), and who parallelizes the model.
+the mesh, the data (ranks of one tensor-parallel group read the same batch, so metrics sync over the data-parallel
+ranks only), and who parallelizes the model.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fabriclite import collectives
 from fabriclite.plugins.environments import ClusterEnvironment
 from fabriclite.strategies.fsdp import FSDPStrategy, _has_meta, _no_gradient_sync, _rank_agreeing_scaler
 
@@ -85,8 +87,13 @@ class ModelParallelStrategy(FSDPStrategy):
                 f"{self.world_size} (devices * num_nodes). Choose sizes whose product is {self.world_size}."
             )
         self.mesh = init_device_mesh(self.root_device.type, (dp, tp), mesh_dim_names=MESH_DIMS)
+        collectives.set_metric_group(self.mesh["data_parallel"].get_group())
         if self.precision is not None and self.precision.scaler is not None:
             self.precision.scaler = _rank_agreeing_scaler(self.precision.scaler)
+
+    def teardown(self) -> None:
+        collectives.set_metric_group(None)
+        super().teardown()
 
     def data_parallel_shard(self) -> tuple[int, int]:
         """Ranks of one tensor-parallel group read the same batch: the data is split over the data-parallel ranks."""

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric
+from fabriclite.metrics import SumMetric
 from fabriclite.strategies import FSDPStrategy, ModelParallelStrategy
 
 STEPS, SAVED_AT, BATCH, TOLERANCE = 6, 3, 8, 1e-5
@@ -142,6 +143,12 @@ def run(mode, out, from_cli):
     reference = Net()
     full = {name: t.full_tensor() for name, t in empty.module.state_dict().items()}
     check("an empty init equals a normal one", all(torch.equal(full[n], t) for n, t in reference.state_dict().items()))
+
+    # A metric over one epoch counts each sample once: under tp, both ranks of a tensor-parallel group read it.
+    rows = SumMetric()
+    for x, _ in fabric.setup_dataloaders(DataLoader(TensorDataset(xs, ys), batch_size=BATCH // shards)):
+        rows.update(torch.ones(len(x)))
+    check("a metric counts every sample once", rows.compute().item() == len(xs), rows.compute())
 
     if mode == "tp":
         strategy = fabric.strategy
