@@ -3,8 +3,10 @@
 The forward kernel takes one row per program: a first sweep over the row keeps a running max m, the running sum d
 of ``exp(x - m)`` (online softmax) and the running sum of ``x - x_target`` (for label smoothing); a second sweep
 writes ``softmax - smoothed one-hot`` (already scaled for the reduction) to a gradient buffer, so the probabilities
-are never stored. The backward only multiplies that buffer by ``grad_output``. The row is read twice (the second
-time mostly from L2) and the gradient written once, in the logits' dtype: no (N, C) fp32 temporary, no log-softmax.
+are never stored. The backward only multiplies that buffer by ``grad_output``, in place, and hands it on as the
+logits' gradient: one (N, C) buffer beyond the logits in all (so a graph kept with ``retain_graph=True`` cannot be
+run backward twice). The row is read twice (the second time mostly from L2) and the gradient written once, in the
+logits' dtype: no (N, C) fp32 temporary, no log-softmax.
 
 Only differences of logits are formed: the loss is ``(m - x_target) + log(d)`` and the softmax ``exp(x - m) / d``.
 ``lse = m + log(d)`` with x subtracted afterwards would keep only fp32's resolution at the logits' magnitude
@@ -179,9 +181,9 @@ def _forward(
     return loss, grad
 
 
-def _backward(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+def _scale_in_place(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """``grad *= grad_output`` row by row, in place: the backward needs no second (N, C) buffer."""
     n_rows, n_cols = grad.shape
-    grad_in = torch.empty_like(grad)
     # (N,) for "none", () otherwise; an expanded (N,) gradient keeps its stride 0.
     grad_output = as_rows(grad_output, 1) if grad_output.dim() else grad_output
     stride = grad_output.stride(0) if grad_output.dim() else 0
@@ -190,7 +192,7 @@ def _backward(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         launch(
             _cross_entropy_backward_kernel,
             (n_rows,),
-            grad_in,
+            grad,  # read and written by the same program, element by element
             grad,
             n_cols,
             grad_output,
@@ -199,7 +201,6 @@ def _backward(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
             BLOCK=block,
             num_warps=num_warps(block),
         )
-    return grad_in
 
 
 # ---------------------------------------------------------------------- torch.library registration
@@ -223,9 +224,18 @@ def _(logits, target, ignore_index, label_smoothing, reduction, compute_grad):
     return loss, grad
 
 
+@torch.library.custom_op("fabriclite::cross_entropy_scale_", mutates_args=("grad",))
+def _cross_entropy_scale_op(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+    _scale_in_place(grad, grad_output)
+
+
 @torch.library.custom_op("fabriclite::cross_entropy_backward", mutates_args=())
 def _cross_entropy_backward_op(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    return _backward(grad, grad_output)
+    # What a traced graph (torch.compile) calls: out of place, since functionalization would copy anyway and
+    # the compiler plans the buffers itself.
+    grad_in = grad.clone(memory_format=torch.contiguous_format)
+    _scale_in_place(grad_in, grad_output)
+    return grad_in
 
 
 @_cross_entropy_backward_op.register_fake
@@ -236,13 +246,20 @@ def _(grad, grad_output):
 def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(output[1])
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no (N, C) zeros for the gradient output, which nothing differentiates
 
 
 def _backward_formula(ctx, grad_loss, _grad_of_grad):
     (grad,) = ctx.saved_tensors
     if grad.dim() == 1:  # the (0,) placeholder
         raise RuntimeError("fabriclite::cross_entropy ran with compute_grad=False; call it through cross_entropy().")
-    return torch.ops.fabriclite.cross_entropy_backward(grad, grad_loss), None, None, None, None, None
+    # The saved gradient becomes the logits' gradient in place: one (N, C) buffer in all, as Liger-Kernel does. The
+    # in-place op bumps its version, so a second backward through a retained graph raises torch's "modified by an
+    # inplace operation" error instead of scaling twice.
+    if type(grad) is not torch.Tensor:  # traced (FakeTensor, FunctionalTensor): the out-of-place op
+        return torch.ops.fabriclite.cross_entropy_backward(grad, grad_loss), None, None, None, None, None
+    torch.ops.fabriclite.cross_entropy_scale_(grad, grad_loss)
+    return grad, None, None, None, None, None
 
 
 _cross_entropy_op.register_autograd(_backward_formula, setup_context=_setup_context)

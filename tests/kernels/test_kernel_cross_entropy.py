@@ -150,3 +150,48 @@ def test_the_module_matches_nn_cross_entropy_loss():
 def test_bad_arguments_are_refused_with_the_valid_choices(logits_shape, target_shape, kwargs, message):
     with pytest.raises(ValueError, match=message):
         cross_entropy(torch.randn(logits_shape), torch.zeros(target_shape, dtype=torch.long), **kwargs)
+
+
+_VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default}
+
+
+class _LogitSizedAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op output with ``numel`` elements: an (N, C) buffer made while the mode is on."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.made = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.numel() == self.numel
+                and not func._schema.is_mutable
+                and func not in _VIEWS
+            ):
+                self.made.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_the_backward_scales_the_forward_gradient_in_place_without_a_second_logits_buffer(reduction):
+    torch.manual_seed(0)
+    logits, reference = leaf_pair(torch.randn(5, 33), torch.float32)
+    target = _targets(5, 33)
+    loss = cross_entropy(logits, target, reduction=reduction)
+    upstream = torch.full_like(loss, 0.5)
+    with _LogitSizedAllocations(5 * 33) as allocations:
+        loss.backward(upstream)
+    assert allocations.made == [], allocations.made
+    F.cross_entropy(reference, target, reduction=reduction).backward(upstream.double())
+    assert_matches(logits.grad, reference.grad, torch.float32)
+
+
+def test_a_retained_graph_cannot_be_run_backward_twice_instead_of_scaling_twice():
+    logits = torch.randn(4, 9, device=DEVICE, requires_grad=True)
+    loss = cross_entropy(logits, _targets(4, 9))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -26,6 +26,7 @@ def _cases() -> list:
         ("cross_entropy", (_leaf(3, 7), target, -100, 0.1, "mean", True)),
         ("cross_entropy", (_leaf(3, 7), target, -100, 0.0, "none", True)),
         ("cross_entropy", (_plain(3, 7), target, -100, 0.0, "sum", False)),
+        ("cross_entropy_scale_", (_plain(3, 7), _plain(3))),
         ("cross_entropy_backward", (_plain(3, 7), _plain(3))),
         ("layer_norm", (_leaf(2, 3, 7), [7], _leaf(7), _leaf(7), 1e-5)),
         ("layer_norm", (_leaf(3, 7), [7], None, None, 1e-5)),
@@ -51,6 +52,8 @@ def _case_id(case) -> str:
 
 def _kernel(op: str) -> str:
     """The Triton kernel an op launches: fabriclite::add_layer_norm -> _layer_norm_forward_kernel, and so on."""
+    if op == "cross_entropy_scale_":  # the in-place backward: the backward kernel, scaling the saved gradient
+        op = "cross_entropy_backward"
     direction = "backward" if op.endswith("_backward") else "forward"
     return f"_{op.removeprefix('add_').removesuffix('_backward')}_{direction}_kernel"
 
