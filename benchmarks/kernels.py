@@ -1,15 +1,16 @@
 """Speed and memory of fabriclite's Triton kernels next to torch eager, ``torch.compile`` of the same function, and
 Liger-Kernel where it has the op and is installed, on one CUDA GPU, in bf16.
 
-For every op and size it measures the forward, the backward alone (``retain_graph=True`` on one forward) and both
-together: the median time from ``triton.testing.do_bench`` and the peak memory allocated beyond what existed
-before (``torch.cuda.max_memory_allocated``; for the forward that includes the outputs and what autograd saves,
-for the backward the gradients and temporaries). Throughput is the bytes any implementation must move (each input
+For every op and size it measures the forward, and forward and backward together (a training step's share): the
+median time from ``triton.testing.do_bench`` and the peak memory allocated beyond what existed before
+(``torch.cuda.max_memory_allocated``; for the forward that includes the outputs and what autograd saves, for both
+also the gradients and temporaries). Throughput is the bytes any implementation must move (each input
 read once, each output written once: for cross-entropy the forward reads the logits and the backward writes their
 gradient) over the time, next to the copy bandwidth of the device measured with ``x.clone()``. Fused kernels that
 move more than that minimum (cross-entropy's forward also writes the gradient) show it as lower throughput.
 
-Results go to a CSV (one row per op, size, mode and implementation) and a markdown table on stdout.
+Results go to a CSV (one row per op, size, mode and implementation, each written as soon as it is measured, with
+the device, torch and triton versions) and a markdown table on stdout. ``--quick`` keeps the LLM sizes only.
 
 Usage: ``python benchmarks/kernels.py [--ops layer_norm cross_entropy] [--quick] [--csv kernels.csv]``.
 """
@@ -31,12 +32,17 @@ from _machine import describe
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
-NORM_WIDTHS = (768, 1024)
-ROWS = (4096, 8192, 16384, 32768)
-QUICK_ROWS = (4096, 32768)
+# Full run: every width with every row count. --quick: the LLM sizes only (widths 4096 and 8192 at 16k rows, the
+# 128k vocabulary), to fit in a few minutes.
+NORM_WIDTHS = (768, 1024, 4096, 8192)
+ROWS = (4096, 16384, 32768)
+QUICK_NORMS = ((4096, 8192), (16384,))
 CROSS_ENTROPY_SHAPES = ((8192, 50257), (8192, 128256))
+LINEAR_CROSS_ENTROPY_SHAPES = ((8192, 768, 50257), (8192, 4096, 128256))  # tokens, width, vocabulary
 ROPE_HEAD_DIM, ROPE_SEQ_LEN = 64, 1024
-MODES = ("forward", "backward", "both")
+# Forward alone, and forward + backward (what a training step pays). A backward alone would have to run twice on
+# one graph, which the in-place backward of the cross-entropy refuses by design.
+MODES = ("forward", "both")
 IMPLEMENTATIONS = ("fabriclite", "torch", "torch.compile", "liger")
 
 Inputs = dict[str, torch.Tensor]
@@ -93,11 +99,11 @@ def _leaf(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
 
 
-def norm_cases(rows_list: tuple[int, ...]) -> list[Case]:
+def norm_cases(rows_list: tuple[int, ...], widths: tuple[int, ...] = NORM_WIDTHS) -> list[Case]:
     from fabriclite import kernels
 
     cases = []
-    for width in NORM_WIDTHS:
+    for width in widths:
         for rows in rows_list:
             shape, elements = f"{rows}x{width}", rows * width
             io = {"forward": 4 * elements, "backward": 6 * elements, "both": 10 * elements}  # bf16: 2 bytes
@@ -277,7 +283,7 @@ def norm_cases(rows_list: tuple[int, ...]) -> list[Case]:
     return cases
 
 
-def cross_entropy_cases() -> list[Case]:
+def cross_entropy_cases(shapes: tuple[tuple[int, int], ...] = CROSS_ENTROPY_SHAPES) -> list[Case]:
     from fabriclite import kernels
 
     def make(rows: int, classes: int) -> Inputs:
@@ -289,7 +295,7 @@ def cross_entropy_cases() -> list[Case]:
         return F.cross_entropy(logits, target)
 
     cases = []
-    for rows, classes in CROSS_ENTROPY_SHAPES:
+    for rows, classes in shapes:
         elements = rows * classes
         liger_ce = _liger("LigerCrossEntropyLoss")
         cases.append(
@@ -308,6 +314,49 @@ def cross_entropy_cases() -> list[Case]:
                     ),
                 },
                 {"forward": 2 * elements, "backward": 2 * elements, "both": 4 * elements},
+            )
+        )
+    return cases
+
+
+def linear_cross_entropy_cases(
+    shapes: tuple[tuple[int, int, int], ...] = LINEAR_CROSS_ENTROPY_SHAPES,
+) -> list[Case]:
+    from fabriclite import kernels
+
+    def make(rows: int, width: int, classes: int) -> Inputs:
+        target = torch.randint(0, classes, (rows,), device=DEVICE)
+        target[torch.rand(rows, device=DEVICE) < 0.1] = -100
+        # A weight of std 1/sqrt(width): logits of std 1, as a trained output layer gives, not a saturated softmax.
+        weight = (torch.randn(classes, width, device=DEVICE, dtype=DTYPE) / width**0.5).requires_grad_()
+        return {"hidden": _leaf(rows, width), "weight": weight, "target": target}
+
+    def eager(hidden, weight, target):
+        return F.cross_entropy(F.linear(hidden, weight), target)
+
+    cases = []
+    for rows, width, classes in shapes:
+        liger_flce = _liger("LigerFusedLinearCrossEntropyLoss")
+        # Compute-bound (three matmuls of rows x width x classes); the minimum bytes are the inputs read and their
+        # gradients written, so the throughput column says little here: time and peak memory are the measures.
+        io = 2 * (rows * width + classes * width)
+        cases.append(
+            Case(
+                "linear_cross_entropy",
+                f"{rows}x{width}x{classes}",
+                lambda r=rows, h=width, c=classes: make(r, h, c),
+                {
+                    "fabriclite": kernels.linear_cross_entropy,
+                    "torch": eager,
+                    "torch.compile": _compiled(eager),
+                    # Liger takes the weight first.
+                    **(
+                        {"liger": lambda hidden, weight, target, _m=liger_flce: _m(weight, hidden, target)}
+                        if liger_flce is not None
+                        else {}
+                    ),
+                },
+                {"forward": io, "backward": io, "both": 2 * io},
             )
         )
     return cases
@@ -345,18 +394,14 @@ def measure(case: Case, name: str, fn: Callable[..., Any], mode: str) -> tuple[f
     # A loss gets the 1.0 of loss.backward() (Liger skips its scaling then); other outputs a random gradient.
     grads = [torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out) for out in outputs]
 
-    def backward() -> None:
-        torch.autograd.backward(outputs, grads, retain_graph=True)
-
     def both() -> None:
         torch.autograd.backward(forward(), grads)
 
-    thunk = {"forward": forward, "backward": backward, "both": both}[mode]
+    thunk = {"forward": forward, "both": both}[mode]
     thunk()  # compiles (torch.compile, Triton) outside the timing
     for leaf in leaves:
         leaf.grad = None
-    if mode != "backward":
-        del outputs  # the timed forward makes its own graph; keep the memory baseline clean
+    del outputs  # the timed forward makes its own graph; keep the memory baseline clean
     peak = _peak_mib(thunk)
     milliseconds = do_bench(thunk, grad_to_none=leaves, return_mode="median")
     return milliseconds, peak
@@ -369,6 +414,12 @@ def copy_bandwidth_gbps() -> float:
     x = torch.empty(2**28, dtype=DTYPE, device=DEVICE)
     milliseconds = do_bench(lambda: x.clone(), return_mode="median")
     return 2 * x.numel() * x.element_size() / milliseconds / 1e6
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 # ---------------------------------------------------------------------- reporting
@@ -409,10 +460,11 @@ def main() -> int:
             "bias_gelu",
             "swiglu",
             "cross_entropy",
+            "linear_cross_entropy",
         ),
         help="only these ops (default: all)",
     )
-    parser.add_argument("--quick", action="store_true", help=f"norm rows {QUICK_ROWS} only")
+    parser.add_argument("--quick", action="store_true", help="the LLM sizes only: a few minutes on one GPU")
     parser.add_argument("--csv", default="kernels.csv", help="where to write the results (default: kernels.csv)")
     args = parser.parse_args()
 
@@ -422,25 +474,38 @@ def main() -> int:
 
     device_name = torch.cuda.get_device_name()
     copy_gbps = copy_bandwidth_gbps()
-    cases = norm_cases(QUICK_ROWS if args.quick else ROWS) + cross_entropy_cases()
+    cases = (
+        norm_cases(QUICK_NORMS[1], QUICK_NORMS[0]) + cross_entropy_cases(CROSS_ENTROPY_SHAPES[-1:])
+        + linear_cross_entropy_cases(LINEAR_CROSS_ENTROPY_SHAPES[-1:])
+        if args.quick
+        else norm_cases(ROWS) + cross_entropy_cases() + linear_cross_entropy_cases()
+    )  # fmt: skip
     cases = [case for case in cases if args.ops is None or case.op in args.ops]
 
     rows = []
-    for case in cases:
-        torch._dynamo.reset()
-        for name, fn in case.implementations.items():
-            for mode in MODES:
-                print(f"{case.op} {case.shape} {name} {mode}", file=sys.stderr, flush=True)
-                error = ""
-                try:
-                    milliseconds, peak = measure(case, name, fn, mode)
-                except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' numbers
-                    milliseconds, peak, error = math.nan, math.nan, f"{type(exc).__name__}: {exc}"
-                    print(f"  failed: {error}", file=sys.stderr)
-                gbps = case.min_bytes[mode] / milliseconds / 1e6
-                rows.append(
-                    {
+    fields = ["device", "torch", "triton", "op", "shape", "dtype", "mode", "implementation", "ms", "gbps",
+              "copy_gbps", "fraction_of_copy", "peak_mib", "error"]  # fmt: skip
+    with open(args.csv, "w", newline="") as f:
+        # Each row is written as soon as it is measured: a run cut short keeps everything before the cut.
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        f.flush()
+        for case in cases:
+            torch._dynamo.reset()
+            for name, fn in case.implementations.items():
+                for mode in MODES:
+                    print(f"{case.op} {case.shape} {name} {mode}", file=sys.stderr, flush=True)
+                    error = ""
+                    try:
+                        milliseconds, peak = measure(case, name, fn, mode)
+                    except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' numbers
+                        milliseconds, peak, error = math.nan, math.nan, f"{type(exc).__name__}: {exc}"
+                        print(f"  failed: {error}", file=sys.stderr)
+                    gbps = case.min_bytes[mode] / milliseconds / 1e6
+                    row = {
                         "device": device_name,
+                        "torch": torch.__version__,
+                        "triton": _triton_version(),
                         "op": case.op,
                         "shape": case.shape,
                         "dtype": "bf16",
@@ -453,13 +518,11 @@ def main() -> int:
                         "peak_mib": peak,
                         "error": error,
                     }
-                )
-                torch.cuda.empty_cache()
+                    rows.append(row)
+                    writer.writerow(row)
+                    f.flush()
+                    torch.cuda.empty_cache()
 
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["device"])
-        writer.writeheader()
-        writer.writerows(rows)
     header = [
         f"## fabriclite kernels on {device_name}",
         "",

@@ -1,11 +1,13 @@
 """Hand-written Triton kernels: cross-entropy, layer norm and RMS norm (each with a fused residual add), bias +
-GELU, rotary position embedding (RoPE) and SwiGLU.
+GELU, rotary position embedding (RoPE) and SwiGLU; and linear cross-entropy, a language model's output layer and
+loss computed in chunks of tokens so the (tokens, vocabulary) logits never exist at once.
 
 Each op lives in its own file (``fused_cross_entropy.py``, ``fused_layer_norm.py``, ``fused_rms_norm.py``,
-``fused_bias_gelu.py``, ``fused_rope.py``, ``fused_swiglu.py``; named apart from the functions so
-``kernels.layer_norm`` is always the function) with its forward and backward ``@triton.jit`` kernels, the host
-functions that launch them, its ``torch.library`` custom op (so ``torch.compile`` traces it without a graph break)
-and its public function or module. ``swap.py`` replaces a model's ``nn.LayerNorm`` / ``nn.RMSNorm`` with the fused
+``fused_bias_gelu.py``, ``fused_rope.py``, ``fused_swiglu.py``, ``fused_linear_cross_entropy.py``; named apart from
+the functions so ``kernels.layer_norm`` is always the function) with its forward and backward ``@triton.jit``
+kernels (linear cross-entropy runs the cross-entropy forward kernel between torch matmuls), the host functions that
+launch them, its ``torch.library`` custom op (so ``torch.compile`` traces it without a graph break) and its public
+function or module. ``swap.py`` replaces a model's ``nn.LayerNorm`` / ``nn.RMSNorm`` with the fused
 modules; ``Fabric(kernels=True)`` calls it on CUDA.
 
 Importing this package is cheap: triton is imported (and the ops registered with ``torch.library``) on first use of
@@ -29,6 +31,8 @@ import torch
 _LAZY = {
     "cross_entropy": "fused_cross_entropy",
     "CrossEntropyLoss": "fused_cross_entropy",
+    "linear_cross_entropy": "fused_linear_cross_entropy",
+    "LinearCrossEntropyLoss": "fused_linear_cross_entropy",
     "layer_norm": "fused_layer_norm",
     "add_layer_norm": "fused_layer_norm",
     "LayerNorm": "fused_layer_norm",
