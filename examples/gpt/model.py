@@ -4,9 +4,15 @@
           -> n_layer x Block(LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP -> residual)
           -> LayerNorm -> linear head sharing the token embedding's weights -> logits over the 256 byte values
 
+``GPTConfig(llama=True)`` makes the blocks Llama's: RMSNorm, rotary position embedding (RoPE) on queries and keys
+instead of a position embedding, and a SwiGLU MLP. ``GPT(config, kernels=True)`` runs RoPE, SwiGLU and the loss on
+fabriclite's Triton kernels (the loss as a linear cross-entropy, which never holds all the logits at once); the
+norms are swapped by ``Fabric(kernels=True)``.
+
 Usage:
     model = GPT(GPTConfig())
     logits = model(idx)  # idx: (batch, time) int64 bytes -> logits: (batch, time, 256)
+    loss = model(idx, targets)  # the mean cross-entropy per byte
     out = model.generate(idx, max_new_tokens=200, temperature=0.8, top_k=40)
 """
 
@@ -29,6 +35,41 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    llama: bool = False  # RMSNorm, RoPE and SwiGLU instead of LayerNorm, a position embedding and a GELU MLP
+
+
+class Ops:
+    """The functions the blocks call, from torch or (``kernels=True``) from fabriclite's Triton kernels."""
+
+    def __init__(self, kernels: bool) -> None:
+        if kernels:
+            from fabriclite.kernels import linear_cross_entropy, rope, swiglu
+
+            self.rope, self.swiglu, self.linear_cross_entropy = rope, swiglu, linear_cross_entropy
+        else:
+            self.rope, self.swiglu, self.linear_cross_entropy = rope_torch, swiglu_torch, linear_cross_entropy_torch
+
+
+def rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Llama's rotate-half RoPE on (B, T, heads, head_size) queries and keys; cos, sin: (T, head_size)."""
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over the heads
+    q_rot, k_rot = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return q_rot.to(q.dtype), k_rot.to(k.dtype)  # fp32 tables must not promote bf16 queries and keys
+
+
+def swiglu_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.silu(a) * b
+
+
+def linear_cross_entropy_torch(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight), targets, reduction=reduction)
 
 
 class CausalSelfAttention(nn.Module):
@@ -36,6 +77,12 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         assert config.n_embd % config.n_head == 0, f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}"
         self.head_size = config.n_embd // config.n_head
+        self.llama = config.llama
+        if config.llama:  # RoPE tables, recomputed rather than saved (persistent=False): they follow from the shape
+            inv_freq = 1.0 / 10000 ** (torch.arange(0, self.head_size, 2).float() / self.head_size)
+            angles = torch.outer(torch.arange(config.block_size).float(), inv_freq).repeat(1, 2)  # (T, head_size)
+            self.register_buffer("cos", angles.cos(), persistent=False)
+            self.register_buffer("sin", angles.sin(), persistent=False)
         # Query, key and value as three projections, so tensor parallelism can give each rank whole heads of each
         # (examples/gpt/parallel.py); one fused (C, 3C) matmul would be split across q, k and v instead.
         self.c_q = nn.Linear(config.n_embd, config.n_embd)
@@ -43,10 +90,13 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: all of them, or under tensor parallelism this rank's share.
-        q, k, v = (proj(x).view(B, T, -1, self.head_size).transpose(1, 2) for proj in (self.c_q, self.c_k, self.c_v))
+        q, k, v = (proj(x).view(B, T, -1, self.head_size) for proj in (self.c_q, self.c_k, self.c_v))
+        if self.llama:
+            q, k = ops.rope(q, k, self.cos[:T], self.sin[:T])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_size)
         # is_causal masks the future inside the fused kernel (flash attention where the device has one), so the
         # (T, T) mask and attention weights are never materialised.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_size)
@@ -56,10 +106,15 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        # SwiGLU has a third matrix, so its hidden width is 2/3 of GELU's (as Llama), rounded up to a multiple of 16.
+        hidden = -(-8 * config.n_embd // 3 // 16) * 16 if config.llama else 4 * config.n_embd
+        self.c_gate = nn.Linear(config.n_embd, hidden) if config.llama else None
+        self.c_fc = nn.Linear(config.n_embd, hidden)
+        self.c_proj = nn.Linear(hidden, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        if self.c_gate is not None:
+            return self.c_proj(ops.swiglu(self.c_gate(x), self.c_fc(x)))
         return self.c_proj(F.gelu(self.c_fc(x)))
 
 
@@ -68,15 +123,16 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        # Plain nn.LayerNorm on purpose: Fabric(kernels=True) swaps these for fabriclite's fused Triton layer norm.
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        # Plain torch norms on purpose: Fabric(kernels=True) swaps these for fabriclite's fused Triton ones.
+        norm = nn.RMSNorm if config.llama else nn.LayerNorm
+        self.ln_1 = norm(config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ln_2 = norm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), ops)
+        x = x + self.mlp(self.ln_2(x), ops)
         return x
 
 
@@ -88,13 +144,14 @@ class GPT(nn.Module):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, kernels: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.ops = Ops(kernels)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wpe = None if config.llama else nn.Embedding(config.block_size, config.n_embd)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.ln_f = nn.RMSNorm(config.n_embd) if config.llama else nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf, 2017): the byte that is read and the byte that is predicted share one
         # vector, which saves parameters and trains faster at this size.
@@ -115,14 +172,22 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+        """The logits, or with ``targets`` the cross-entropy (computed here, where the head's weight is whole
+        even under FSDP; with kernels, from the final hidden states without materialising the logits)."""
         T = idx.shape[1]
         assert T <= self.config.block_size, f"sequence of {T} bytes is longer than block_size={self.config.block_size}"
-        pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
         for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+            x = block(x, self.ops)
+        x = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(x)
+        return self.ops.linear_cross_entropy(
+            x.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction=reduction
+        )
 
     @torch.no_grad()
     def generate(

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 BLOCK_PLAN = {
+    "mlp.c_gate": ColwiseParallel(),  # Llama-style blocks only
     "attn.c_q": ColwiseParallel(),
     "attn.c_k": ColwiseParallel(),
     "attn.c_v": ColwiseParallel(),
@@ -29,7 +30,9 @@ BLOCK_PLAN = {
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Apply tensor parallelism on ``mesh["tensor_parallel"]``, then FSDP2 on ``mesh["data_parallel"]``."""
     for block in model.blocks:
-        parallelize_module(block, mesh["tensor_parallel"], BLOCK_PLAN)
+        present = dict(block.named_modules())
+        plan = {name: style for name, style in BLOCK_PLAN.items() if name in present}
+        parallelize_module(block, mesh["tensor_parallel"], plan)
     for block in model.blocks:
         fully_shard(block, mesh=mesh["data_parallel"])
     return fully_shard(model, mesh=mesh["data_parallel"])

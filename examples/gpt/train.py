@@ -24,11 +24,10 @@ import argparse  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import asdict  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from data import Windows, load_text, split  # noqa: E402
@@ -96,8 +95,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", default="bf16-mixed", help="e.g. bf16-mixed, 32-true, 16-mixed, bf16-true")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (Fabric(compile=True))")
     parser.add_argument(
-        "--kernels", action="store_true", help="Triton layer norm + cross-entropy (CUDA; else unchanged)"
+        "--kernels",
+        action="store_true",
+        help="Llama-style blocks on fabriclite's Triton kernels: RMSNorm, RoPE, SwiGLU, linear cross-entropy "
+        "(CUDA; elsewhere the same blocks on torch ops)",
     )
+    parser.add_argument("--llama", action="store_true", help="Llama-style blocks (RMSNorm, RoPE, SwiGLU) on torch ops")
     parser.add_argument("--max-steps", type=at_least(1), default=1000, help="optimizer steps")
     parser.add_argument("--batch-size", type=at_least(1), default=32, help="windows per micro-batch and process")
     parser.add_argument("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")
@@ -142,12 +145,12 @@ def lr_factor(step: int, max_steps: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(fabric: Fabric, model: torch.nn.Module, loader: DataLoader, loss_fn) -> float:
+def evaluate(fabric: Fabric, model: torch.nn.Module, loader: DataLoader) -> float:
     """Mean loss per byte over the validation windows (split across processes, summed over all of them)."""
     model.eval()
     total = torch.zeros(2, device=fabric.device)  # (summed loss, bytes)
     for x, y in loader:
-        total[0] += loss_fn(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+        total[0] += model(x, y, reduction="sum")
         total[1] += y.numel()
     model.train()
     total = fabric.all_reduce(total, reduce_op="sum")
@@ -173,7 +176,7 @@ def main() -> None:
     except FileNotFoundError as err:
         sys.exit(str(err))
     train_data, val_data = split(text)
-    model_config = QUICK_MODEL if args.quick else GPTConfig()
+    model_config = replace(QUICK_MODEL if args.quick else GPTConfig(), llama=args.llama or args.kernels)
 
     # Every run (and every resumption) logs into a new version_N folder under OUT_DIR/logs, the CSV and the
     # TensorBoard files side by side, so `fabriclite plot OUT_DIR/logs` shows them together.
@@ -201,7 +204,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     seed_everything(args.seed, verbose=False)
 
-    model = GPT(model_config)
+    # Fabric(kernels=True) swapped nothing yet (there is no model): it decided whether the kernels run on this
+    # device, and the model's own ops (RoPE, SwiGLU, the loss) follow the same decision.
+    fused = args.kernels and kernels_available(fabric.device)
+    model = GPT(model_config, kernels=fused)
     # nanoGPT's split: weight decay on the matrices (the embeddings too; the token embedding is also the head),
     # none on biases and LayerNorm gains.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -226,12 +232,6 @@ def main() -> None:
             batch_size=args.batch_size,
         ),
     )
-    # Fabric(kernels=True) swapped the LayerNorms only where the kernels run; the loss follows the same decision.
-    fused = args.kernels and kernels_available(fabric.device)
-    if fused:
-        from fabriclite.kernels import cross_entropy as loss_fn
-    else:
-        loss_fn = F.cross_entropy
 
     # Everything a bit-exact continuation needs; fabric.save adds the random streams and the loss scaler.
     state = {
@@ -274,7 +274,8 @@ def main() -> None:
         f"{args.text or 'Python standard-library source'} ({len(val_data) / 1e3:.0f} kB held out); "
         f"{fabric.world_size} process(es) on {fabric.device}, precision {args.precision}, "
         f"{torch.get_num_threads()} thread(s), {tokens_per_step} tokens per step, "
-        f"loss {'fabriclite.kernels.cross_entropy' if fused else 'F.cross_entropy'}"
+        f"{'Llama-style blocks' if model_config.llama else 'GPT-2 blocks'}, "
+        f"{'Triton kernels (RoPE, SwiGLU, norms, linear cross-entropy)' if fused else 'torch ops'}"
     )
     if tensorboard_note:
         fabric.print(tensorboard_note)
@@ -284,7 +285,7 @@ def main() -> None:
 
     val_loss = float("nan")
     if step == 0:
-        val_loss = evaluate(fabric, model, val_loader, loss_fn)
+        val_loss = evaluate(fabric, model, val_loader)
         fabric.log_dict({"val_loss": val_loss}, step=0)
         fabric.print(f"step {0:5d} | val loss {val_loss:.4f}")
 
@@ -305,7 +306,7 @@ def main() -> None:
             # The DDP all-reduce of the gradients is only needed once per optimizer step: skip it on every
             # micro-batch but the last (a no-op on one process). Forward and backward both belong inside.
             with fabric.no_backward_sync(model, enabled=micro < args.grad_accum - 1):
-                loss = loss_fn(model(x).flatten(0, 1), y.flatten()) / args.grad_accum
+                loss = model(x, y) / args.grad_accum
                 fabric.backward(loss)
             loss_sum += loss.detach()
         micro_batches += args.grad_accum
@@ -339,7 +340,7 @@ def main() -> None:
             logged_steps, t_last = 0, now
         if step % args.eval_every == 0 or step == args.max_steps:
             eval_start = time.perf_counter()
-            metrics["val_loss"] = val_loss = evaluate(fabric, model, val_loader, loss_fn)
+            metrics["val_loss"] = val_loss = evaluate(fabric, model, val_loader)
             t_last += time.perf_counter() - eval_start  # tokens/s counts training time only
         if metrics:
             fabric.log_dict(metrics, step=step)
