@@ -11,6 +11,17 @@ import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+__all__ = [
+    "ClusterEnvironment",
+    "LightningEnvironment",
+    "ProcessEnvironment",
+    "SLURMEnvironment",
+    "TorchElasticEnvironment",
+    "cpu_threads_per_process",
+    "detect_environment",
+    "free_port",
+]
+
 
 @dataclass(frozen=True)
 class ProcessEnvironment:
@@ -67,26 +78,33 @@ class ClusterEnvironment(ABC):
 
     @property
     def creates_processes_externally(self) -> bool:
+        """Whether this launcher started this process (then Fabric starts no processes of its own)."""
         return self.read() is not None
 
     @property
     def main_address(self) -> str:
+        """The host of rank 0, where the process group meets."""
         return self._read_or_fail().main_address
 
     @property
     def main_port(self) -> int:
+        """The port on ``main_address`` where the process group meets."""
         return self._read_or_fail().main_port
 
     def world_size(self) -> int:
+        """How many processes the job has."""
         return self._read_or_fail().world_size
 
     def global_rank(self) -> int:
+        """This process's rank among all of them."""
         return self._read_or_fail().global_rank
 
     def local_rank(self) -> int:
+        """This process's rank on its node (which GPU it uses)."""
         return self._read_or_fail().local_rank
 
     def node_rank(self) -> int:
+        """The rank of this process's node."""
         return self._read_or_fail().node_rank
 
     def set_world_size(self, size: int) -> None:

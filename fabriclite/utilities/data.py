@@ -45,7 +45,7 @@ def suggested_max_num_workers(local_world_size: int) -> int:
     """The most DataLoader workers each of ``local_world_size`` processes on this machine should start: the CPUs
     this process may run on, shared out, less one for the process itself (at least 1).
 
-    Usage: ``suggested_max_num_workers(fabric.world_size // fabric.num_nodes)``.
+    Usage: ``DataLoader(dataset, num_workers=suggested_max_num_workers(devices_per_node))``.
     """
     if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
         raise ValueError(f"local_world_size={local_world_size!r} must be an int >= 1 (the processes on this machine).")
