@@ -1,7 +1,7 @@
 """The ``Fabric`` facade: the one object a training script talks to. It turns arguments into an accelerator,
 a strategy and a precision (``choices``), and delegates; the per-step calls (forward, ``backward``,
-``optimizer.step``) go straight to the precision's hooks chosen at setup. The architecture section of the README
-walks through the layers beneath it.
+``optimizer.step``) go straight to the precision's hooks chosen at setup. docs/architecture.md walks through the
+layers beneath it.
 """
 
 from __future__ import annotations
