@@ -92,24 +92,31 @@ class Precision:
     param_dtype: torch.dtype | None = None
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module with its weights in this precision's dtype (true precisions); unchanged otherwise."""
         return module
 
     def forward_context(self) -> ContextManager:
+        """The context the forward runs in (``torch.autocast`` for mixed precision)."""
         return nullcontext()
 
     def module_init_context(self) -> ContextManager:
+        """The context modules are built in (the default dtype of a true precision)."""
         return nullcontext()
 
     def convert_input(self, data: Any) -> Any:
+        """The forward's inputs, floating tensors cast to the weights' dtype where that differs."""
         return data
 
     def convert_output(self, data: Any) -> Any:
+        """The forward's outputs as the caller gets them (floating tensors back in fp32 or the default dtype)."""
         return data
 
     def backward(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``tensor.backward()``, scaled first when the precision has a loss scaler."""
         tensor.backward(*args, **kwargs)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """``optimizer.step()``, through the loss scaler (which skips a step with inf/NaN gradients) if any."""
         return optimizer.step(**kwargs)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
@@ -119,9 +126,11 @@ class Precision:
         """Learn the device the Fabric runs on (needed by the precisions that build a loss scaler)."""
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the precision: the loss scaler's state, if there is one."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
         pass
 
     def __repr__(self) -> str:

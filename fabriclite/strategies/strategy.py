@@ -67,22 +67,27 @@ class Strategy:
     # Process layout.
     @property
     def world_size(self) -> int:
+        """How many processes run the job."""
         return 1
 
     @property
     def global_rank(self) -> int:
+        """This process's rank among all processes."""
         return 0
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its machine (which device it uses)."""
         return 0
 
     @property
     def node_rank(self) -> int:
+        """The rank of this process's machine."""
         return 0
 
     @property
     def is_global_zero(self) -> bool:
+        """Whether this is rank 0, the process that writes files and prints."""
         return self.global_rank == 0
 
     # Modules and optimizers.
@@ -95,9 +100,11 @@ class Strategy:
         return torch.compile(module, **kwargs)
 
     def module_to_device(self, module: torch.nn.Module) -> None:
+        """Move the module to this process's device (sharding strategies place the shards themselves)."""
         module.to(self.root_device)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Adapt an optimizer to the strategy (FSDP points it at the sharded parameters); others return it."""
         return optimizer
 
     def module_init_context(self, empty_init: bool | None = None) -> ContextManager:
@@ -106,9 +113,11 @@ class Strategy:
         return _SkipInit() if empty_init else nullcontext()
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager:
+        """A context in which backward does not reduce gradients across processes (gradient accumulation)."""
         return nullcontext()
 
     def process_dataloader(self, dataloader: Any, use_distributed_sampler: bool) -> Any:
+        """The loader this process reads: its shard of the data under several processes, else the loader."""
         return dataloader
 
     def clip_gradients_norm(
@@ -139,15 +148,19 @@ class Strategy:
 
     # Collectives: one process has nothing to exchange.
     def barrier(self, name: str | None = None) -> None:
+        """Wait until every process arrives here."""
         pass
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as rank ``src`` has it, on every rank (any picklable object)."""
         return obj
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's ``tensor``, stacked along a new first dimension."""
         return tensor
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over every rank with ``reduce_op`` ("mean", "sum", "max", "min")."""
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -155,6 +168,7 @@ class Strategy:
         return [obj]
 
     def teardown(self) -> None:
+        """Release what the strategy holds for this process (process groups, watchdog threads)."""
         pass
 
     # Checkpoints: the formats live in fabriclite.checkpoint; a strategy says which one it writes.
