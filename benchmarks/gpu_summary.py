@@ -1,0 +1,178 @@
+"""The tables and issue 16's goals (met, MISSED or not measured) from the CSVs gpu_suite.py writes: vit.csv,
+frameworks.csv, overhead.csv and kernels.csv in one folder. gpu_suite.py prints this at its end; run it alone to
+summarise a folder again, after a run that was cut short, say.
+
+Usage: ``python benchmarks/gpu_summary.py DIR``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from pathlib import Path
+
+CSVS = ("vit", "frameworks", "overhead", "kernels")
+NORM_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")
+IMPLEMENTATIONS = ("fabriclite", "torch", "torch.compile", "liger")
+WITHIN_RAW = {"frameworks": 1.02, "overhead": 1.03}  # the issue's ViT goal; overhead.py's GOAL
+
+Row = dict[str, str]
+
+
+def read(folder: Path, name: str) -> list[Row]:
+    path = folder / f"{name}.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def number(text: str | None) -> float:
+    try:
+        return float(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def goal(measured: float, ok: bool, text: str) -> str:
+    """A goal's line: met or MISSED, or not measured when ``measured`` (the number it rests on) is missing."""
+    return f"- {'not measured' if math.isnan(measured) else 'met' if ok else 'MISSED'}: {text}"
+
+
+def vit(rows: list[Row]) -> tuple[list[str], list[str]]:
+    table = ["| variant | batch | images/s | MFU | peak MiB | compile s | 3-epoch run s | error |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        mfu = f"{100 * number(r['mfu']):.1f}%" if r["mfu"] else "-"
+        numbers = (
+            "- | - | - | - | -"
+            if r["error"]
+            else f"{number(r['images_per_s']):.1f} | {mfu} | "
+            f"{number(r['peak_mib']):.0f} | {number(r['compile_s']):.1f} | {number(r['three_epochs_s']):.1f}"
+        )
+        table.append(f"| {r['variant']} | {r['batch'] or '-'} | {numbers} | {r['error']} |")
+    ok = {r["variant"]: r for r in rows if not r["error"]}
+    goals = []
+    if "fp32" in ok and "bf16-mixed" in ok:
+        x = number(ok["bf16-mixed"]["images_per_s"]) / number(ok["fp32"]["images_per_s"])
+        goals.append(goal(x, x >= 2.5, f"ViT bf16-mixed at least 2.5x fp32 images/s ({x:.2f}x)"))
+    compiled = [number(r["mfu"]) for name, r in ok.items() if "compile" in name]
+    if compiled:
+        x = max(compiled)
+        goals.append(goal(x, x >= 0.40, f"ViT with compile at least 40% MFU ({100 * x:.1f}%)"))
+    if ok:
+        best = min(ok.values(), key=lambda r: number(r["three_epochs_s"]))
+        x = number(best["three_epochs_s"])
+        goals.append(goal(x, x <= 60, f"the seed talk's 3-epoch run in at most 60 s on one H100 ({x:.1f} s estimated, "
+                                      f"{best['variant']}; the talk on A100s: 18.5 min fp32, 6.4 min bf16-mixed, "
+                                      "2.2 min on 4 GPUs)"))  # fmt: skip
+    return table, goals
+
+
+def comparison(rows: list[Row], within: float) -> tuple[list[str], list[str]]:
+    table = ["| workload | precision | variant | ms/step | samples/s | ratio vs raw (p25-p75) | error |",
+             "|---|---|---|---:|---:|---|---|"]  # fmt: skip
+    for r in rows:
+        numbers = (
+            "- | - | -"
+            if r["error"]
+            else f"{number(r['ms_per_step']):.3f} | {number(r['samples_per_s']):.1f} | "
+            f"{number(r['ratio_vs_raw']):.3f}x ({number(r['ratio_p25']):.3f}-{number(r['ratio_p75']):.3f})"
+        )
+        table.append(f"| {r['workload']} | {r['precision']} | {r['variant']} | {numbers} | {r['error']} |")
+    goals = []
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        ok = {r["variant"]: r for r in rows if r["precision"] == precision and not r["error"]}
+        if "fabriclite" not in ok:
+            continue
+        x = number(ok["fabriclite"]["ratio_vs_raw"])
+        goals.append(goal(x, x <= within, f"fabriclite within {100 * (within - 1):.0f}% of raw at {precision} "
+                                          f"({x:.3f}x)"))  # fmt: skip
+        others = [name for name in ("lightning_fabric", "accelerate") if name in ok]
+        if others:
+            mine = number(ok["fabriclite"]["ms_per_step"])
+            ahead = all(mine < number(ok[name]["ms_per_step"]) for name in others)
+            ratios = ", ".join(f"{name} {number(ok[name]['ratio_vs_raw']):.3f}x" for name in others)
+            goals.append(goal(mine, ahead, f"fabriclite ahead of {' and '.join(others)} at {precision} ({ratios})"))
+    return table, goals
+
+
+def kernels(rows: list[Row]) -> tuple[list[str], list[str]]:
+    cells: dict[tuple[str, str, str], dict[str, Row]] = {}
+    for r in rows:
+        cells.setdefault((r["op"], r["shape"], r["mode"]), {})[r["implementation"]] = r
+
+    def value(by: dict[str, Row], name: str, key: str) -> float:
+        return number(by[name][key]) if name in by and not by[name]["error"] else math.nan
+
+    def cell(by: dict[str, Row], name: str) -> str:
+        if name not in by:
+            return "-"
+        if by[name]["error"]:
+            return by[name]["error"].split(":")[0]
+        return (f"{value(by, name, 'ms'):.3f} ms, {100 * value(by, name, 'fraction_of_copy'):.0f}% of copy, "
+                f"{value(by, name, 'peak_mib'):.0f} MiB")  # fmt: skip
+
+    table = ["| op | shape | mode | " + " | ".join(IMPLEMENTATIONS) + " |", "|---|---|---|" + "---|" * 4]
+    table += [f"| {op} | {shape} | {mode} | " + " | ".join(cell(by, n) for n in IMPLEMENTATIONS) + " |"
+              for (op, shape, mode), by in cells.items()]  # fmt: skip
+    goals = []
+    for (op, shape, mode), by in cells.items():
+        if mode != "both":
+            continue
+        if op == "cross_entropy":
+            x = value(by, "torch", "ms") / value(by, "fabriclite", "ms")
+            goals.append(goal(x, x >= 2, f"cross-entropy {shape} at least 2x eager forward+backward ({x:.2f}x)"))
+            x = value(by, "fabriclite", "peak_mib") / value(by, "torch", "peak_mib")
+            goals.append(goal(x, x <= 1 / 3, f"cross-entropy {shape} at most 1/3 of eager's peak memory ({x:.2f})"))
+            x = value(by, "liger", "ms") / value(by, "fabriclite", "ms")
+            note = f"Liger's time / ours: {x:.2f}" if "liger" in by else "liger-kernel not installed"
+            goals.append(goal(x, x >= 1, f"cross-entropy {shape} at least Liger's speed ({note})"))
+        if op == "linear_cross_entropy":
+            x = value(by, "fabriclite", "peak_mib") / value(by, "torch", "peak_mib")
+            goals.append(goal(x, x <= 1 / 5, f"linear cross-entropy {shape} at most 1/5 of eager's peak memory "
+                                             f"({x:.2f})"))  # fmt: skip
+    norms = {key: by for key, by in cells.items() if key[0] in NORM_OPS and "fabriclite" in by}
+    if norms:
+        slow = [" ".join(key) for key, by in norms.items() if not value(by, "fabriclite", "fraction_of_copy") >= 0.85]
+        behind = [" ".join(key) for key, by in norms.items()
+                  if not value(by, "fabriclite", "ms") <= value(by, "torch.compile", "ms")]  # fmt: skip
+        goals.append(goal(0.0, not slow, f"norms at least 85% of copy bandwidth: {len(norms) - len(slow)} of "
+                                         f"{len(norms)}" + (f" (below: {', '.join(slow)})" if slow else "")))  # fmt: skip
+        goals.append(goal(0.0, not behind, f"norms never slower than torch.compile: {len(norms) - len(behind)} of "
+                                           f"{len(norms)}" + (f" (slower: {', '.join(behind)})" if behind else "")))  # fmt: skip
+    return table, goals
+
+
+def summarize(folder: Path, notes: tuple[str, ...] = ()) -> str:
+    """The markdown summary of the CSVs in ``folder``, with ``notes`` (how each section ended) under its title.
+
+    Usage: ``print(summarize(Path("results")))``.
+    """
+    rows = {name: read(folder, name) for name in CSVS}
+    first = next((r for table in rows.values() for r in table), None)
+    run = first["run"] if first else "empty"
+    lines = [f"# GPU suite ({run} run)", ""]
+    if run == "smoke":
+        lines += ["**Smoke run: tiny shapes on a CPU. The rows check that the suite works; they are not measurements "
+                  "and say nothing about a GPU.**", ""]  # fmt: skip
+    if first:
+        lines.append(f"- device: {first['device']}; torch {first['torch']}, triton {first['triton'] or '-'}, "
+                     f"CUDA {first['cuda'] or '-'}")  # fmt: skip
+    lines += [f"- {note}" for note in notes] + [""]
+    goals = []
+    for title, (table, found) in (
+        ("ViT step through fabriclite", vit(rows["vit"])),
+        ("ViT step by library", comparison(rows["frameworks"], WITHIN_RAW["frameworks"])),
+        ("Per-step overhead of a tiny model", comparison(rows["overhead"], WITHIN_RAW["overhead"])),
+        ("Kernels in bf16 (median time, throughput as a share of the copy bandwidth, peak memory)", kernels(rows["kernels"])),
+    ):  # fmt: skip
+        lines += [f"## {title}", "", *table, ""]
+        goals += found
+    lines += ["## Goals" + (" (smoke run: these verdicts mean nothing)" if run == "smoke" else ""), "", *goals]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(summarize(Path(sys.argv[1])))

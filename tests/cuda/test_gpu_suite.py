@@ -1,0 +1,45 @@
+"""benchmarks/gpu_suite.py --smoke: every section runs on the CPU at tiny sizes and writes its CSV, and every row names
+the run, the device and the versions, so that a smoke row can never pass for a GPU result."""
+
+import csv
+
+import torch
+from helpers import ROOT, run_python
+
+SUITE = ROOT / "benchmarks" / "gpu_suite.py"
+CSVS = {
+    "vit": {"fp32", "bf16-mixed", "bf16-mixed + kernels", "bf16-mixed + compile", "bf16-mixed + compile + kernels"},
+    "frameworks": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
+    "overhead": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
+    "kernels": {"fabriclite", "torch", "torch.compile"},
+}
+# What a row may report instead of a number: an optional package this machine lacks.
+MISSING_PACKAGE = "No module named"
+
+
+def test_the_smoke_run_writes_every_csv_with_the_cpu_named_in_every_row(tmp_path):
+    result = run_python(str(SUITE), "--out", str(tmp_path), "--smoke", timeout=120, check=False)
+    log = (tmp_path / "suite.log").read_text() if (tmp_path / "suite.log").exists() else ""
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{log[-3000:]}"
+
+    for name, variants in CSVS.items():
+        with open(tmp_path / f"{name}.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        key = "implementation" if name == "kernels" else "variant"
+        assert {row[key] for row in rows} == variants, f"{name}.csv: {[row[key] for row in rows]}"
+        if name in ("frameworks", "overhead"):  # every library at both precisions, each in its own process
+            assert sorted((row["precision"], row["variant"]) for row in rows) == sorted(
+                (precision, variant) for precision in ("32-true", "bf16-mixed") for variant in variants
+            )
+        for row in rows:
+            assert row["run"] == "smoke" and row["device"].startswith("CPU: "), row
+            assert row["torch"] == torch.__version__ and row["time"], row
+            assert not row["error"] or MISSING_PACKAGE in row["error"], f"{name}.csv: {row['error']}"
+        measured = [row for row in rows if not row["error"]]
+        assert measured, f"{name}.csv has no measured row"
+        column = {"vit": "images_per_s", "kernels": "ms"}.get(name, "ms_per_step")
+        assert all(float(row[column]) > 0 for row in measured), [row[column] for row in measured]
+
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Smoke run: tiny shapes on a CPU" in summary and "## Goals (smoke run" in summary
+    assert summary in result.stdout
