@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from fabriclite.metrics import Accuracy
 from vit.data import NUM_CLASSES, load_digits_splits
 from vit.model import SERIES_CONFIG, ViT
-from vit.series import one_device, parse_args, results
+from vit.series import loop_flops, one_device, parse_args, results
 
 
 @torch.no_grad()
@@ -47,6 +47,7 @@ def main():
     val_loader = DataLoader(val_set, batch_size=512)
     test_loader = DataLoader(test_set, batch_size=512)
 
+    flops = loop_flops(train_loader, val_loader, args.epochs)  # the model FLOPs of the loop, for the MFU
     start = time.perf_counter()
     for epoch in range(args.epochs):
         for images, labels in train_loader:
@@ -59,7 +60,7 @@ def main():
         print(f"epoch {epoch + 1}/{args.epochs}  loss {loss.item():.3f}  val acc {100 * val_accuracy:.1f}%")
     seconds = time.perf_counter() - start
 
-    print(results(seconds, device, evaluate(model, test_loader, device)))
+    print(results(seconds, device, evaluate(model, test_loader, device), flops))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from fabriclite import Fabric
 from fabriclite.metrics import Accuracy
 from vit.data import NUM_CLASSES, load_digits_splits
 from vit.model import SERIES_CONFIG, load_pretrained
-from vit.series import parse_args, results
+from vit.series import loop_flops, parse_args, results
 
 
 @torch.no_grad()
@@ -51,6 +51,7 @@ def main():
     test_loader = DataLoader(test_set, batch_size=512)
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)
 
+    flops = loop_flops(train_loader, val_loader, args.epochs)  # the model FLOPs of the loop, for the MFU
     start = time.perf_counter()
     for epoch in range(args.epochs):
         for images, labels in train_loader:
@@ -62,7 +63,7 @@ def main():
         fabric.print(f"epoch {epoch + 1}/{args.epochs}  loss {loss.item():.3f}  val acc {100 * val_accuracy:.1f}%")
     seconds = time.perf_counter() - start
 
-    fabric.print(results(seconds, fabric.device, evaluate(model, test_loader, fabric.device)))
+    fabric.print(results(seconds, fabric.device, evaluate(model, test_loader, fabric.device), flops))
 
 
 if __name__ == "__main__":

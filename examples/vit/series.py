@@ -2,7 +2,8 @@
 
 - ``parse_args``: the options every script takes (``--devices``, ``--epochs``, ...).
 - ``one_device``: the device of the plain PyTorch scripts, which run one process.
-- ``results``: the lines each script ends with: time, peak memory, test accuracy, and one machine-readable
+- ``loop_flops``: the model FLOPs of a script's timed loop, for the MFU that ``results`` prints.
+- ``results``: the lines each script ends with: time, MFU, peak memory, test accuracy, and one machine-readable
   ``RESULT {...}`` line that run_all.py collects into results.md.
 
 The scripts repeat their loop and their evaluate() on purpose: each is a whole program to read top to bottom,
@@ -18,7 +19,10 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader
 
+from fabriclite.utilities.throughput import get_available_flops, measure_flops
+from vit.model import SERIES_CONFIG, ViT, ViTConfig
 from vit.pretrain import SERIES_WEIGHTS
 
 # The scripts fine-tune on 20 labelled images per class (200 in all), the case pretraining on unlabelled
@@ -92,19 +96,56 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
-def results(seconds: float, device: torch.device, accuracy: float, timed: str = "training time") -> str:
-    """The closing lines of a script: human-readable, then one JSON line for run_all.py.
+def loop_flops(train_loader: DataLoader, val_loader: DataLoader, epochs: int, config: ViTConfig = SERIES_CONFIG) -> int:
+    """The model FLOPs this process computes in a script's timed loop: each epoch a training step (forward and
+    backward) on every image its ``train_loader`` yields and a forward on every image of ``val_loader``. Counted
+    once per image on a model of meta tensors (no memory, no time) by ``measure_flops``.
 
-    Usage: ``print(results(time.perf_counter() - start, device, test_accuracy))``.
+    Usage: ``flops = loop_flops(train_loader, val_loader, args.epochs)``.
+    """
+    with torch.device("meta"):
+        model = ViT(config)
+        image = torch.zeros(1, config.in_channels, config.image_size, config.image_size)
+    train = measure_flops(model, lambda: model(image), lambda logits: logits.sum())
+    forward = measure_flops(model, lambda: model(image))
+    # len(loader.sampler): the images of one epoch in this process (a DistributedSampler's share under DDP/FSDP).
+    return epochs * (train * len(train_loader.sampler) + forward * len(val_loader.sampler))
+
+
+def mfu(flops: int, seconds: float, device: torch.device) -> float | None:
+    """Model FLOPs utilization: ``flops`` done in ``seconds`` over the device's dense bf16 peak, for every script
+    alike (fp32 ones included, as nanoGPT reports it), so the scripts compare on one scale. None on a CPU or a GPU
+    without a known peak.
+
+    Usage: ``mfu(loop_flops(train_loader, val_loader, 10), 12.5, torch.device("cuda"))``.
+    """
+    peak = get_available_flops(device, torch.bfloat16)
+    return flops / seconds / peak if peak and seconds > 0 else None
+
+
+def results(
+    seconds: float, device: torch.device, accuracy: float, flops: int | None = None, timed: str = "training time"
+) -> str:
+    """The closing lines of a script: human-readable, then one JSON line for run_all.py. ``flops`` (what
+    ``loop_flops`` counts for the timed loop) adds the MFU.
+
+    Usage: ``print(results(time.perf_counter() - start, device, test_accuracy, flops))``.
     """
     script = Path(sys.argv[0]).stem
     memory = peak_memory_mib(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    utilization = mfu(flops, seconds, device) if flops else None
     record = {"script": script, "seconds": round(seconds, 2), "peak_memory_mib": round(memory, 1)}
     record |= {"test_accuracy": round(100 * accuracy, 2), "device": name}
-    return (
-        f"{timed}: {seconds:.1f} s\n"
-        f"peak memory: {memory:.0f} MiB ({'CUDA allocator' if device.type == 'cuda' else 'process RSS'})\n"
-        f"test accuracy: {100 * accuracy:.1f}%\n"
-        f"RESULT {json.dumps(record)}"
-    )
+    lines = [f"{timed}: {seconds:.1f} s"]
+    if flops:
+        record["mfu"] = None if utilization is None else round(utilization, 4)
+        rate = f"{flops / seconds / 1e12:.3f} TFLOP/s" if seconds > 0 else "n/a"
+        share = f"n/a (no bf16 peak known for {name})" if utilization is None else f"{utilization:.1%} of bf16 peak"
+        lines.append(f"model FLOP/s: {rate}; MFU: {share}")
+    lines += [
+        f"peak memory: {memory:.0f} MiB ({'CUDA allocator' if device.type == 'cuda' else 'process RSS'})",
+        f"test accuracy: {100 * accuracy:.1f}%",
+        f"RESULT {json.dumps(record)}",
+    ]
+    return "\n".join(lines)

@@ -141,3 +141,29 @@ def test_run_all_quick_runs_the_series_and_writes_the_table_and_the_chart(tmp_pa
     record = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
     assert f"{record['test_accuracy']:.1f}%" == rows["04_fabric_bf16.py"][5]
     assert "failed" not in result.stdout
+
+
+def test_the_mfu_counts_a_training_step_per_training_image_and_a_forward_per_validation_image(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from vit import series
+
+    def loader(images, **kwargs):
+        return DataLoader(TensorDataset(torch.zeros(images, 1, 8, 8)), batch_size=4, **kwargs)
+
+    train_only = series.loop_flops(loader(12), loader(0), epochs=1)
+    val_only = series.loop_flops(loader(0), loader(12), epochs=1)
+    # A training step is a forward and a backward of about twice its cost (the images need no gradient: a bit less).
+    assert 2.5 < train_only / val_only <= 3.0, (train_only, val_only)
+    assert series.loop_flops(loader(12), loader(12), epochs=3) == 3 * (train_only + val_only)
+    # Under DDP a process counts its own share of the images only.
+    shared = loader(12, sampler=DistributedSampler(TensorDataset(torch.zeros(12)), num_replicas=2, rank=0))
+    assert series.loop_flops(shared, loader(0), epochs=1) == train_only // 2
+
+    # A CPU has no peak: no MFU, said so. A GPU's peak is what get_available_flops returns (a GPU cannot be had here).
+    assert series.mfu(train_only, 1.0, torch.device("cpu")) is None
+    assert "MFU: n/a (no bf16 peak known for CPU)" in series.results(1.0, torch.device("cpu"), 0.5, train_only)
+    monkeypatch.setattr(series, "get_available_flops", lambda device, dtype: 4.0 * train_only)
+    assert series.mfu(train_only, 1.0, torch.device("cuda")) == 0.25
+    assert series.mfu(train_only, 0.5, torch.device("cuda")) == 0.5
