@@ -44,6 +44,11 @@ def test_a_2x2_mesh_trains_as_one_process_and_resumes_identically(four_process_r
     assert_passed_four(four_process_run, names(mode, [*TRAINING_CHECKS, placement]))
 
 
+def test_a_checkpoint_of_one_mesh_layout_resumes_under_another(four_process_run):
+    # The run does hsdp before tp; tp loads hsdp's mid-run checkpoint and must go on as one process would.
+    assert_passed_four(four_process_run, names("tp", ["a checkpoint of the hsdp mesh resumes here"]))
+
+
 def test_a_parallelize_fn_that_returns_nothing_shards_nothing_or_misnames_the_mesh_is_refused(four_process_run):
     checks = [
         "a parallelize_fn returning nothing is refused",

@@ -133,6 +133,17 @@ def run(mode, out, from_cli):
         f"{resumed} vs {losses[SAVED_AT:]}",
     )
 
+    if mode == "tp" and (out.parent / "hsdp" / "mid.ckpt").exists():
+        # DCP reshards by global offsets: HSDP's (replicate, shard) layout loads into tensor parallel x FSDP2.
+        model, optimizer = build(fabric)
+        fabric.load(out.parent / "hsdp" / "mid.ckpt", {"model": model, "optimizer": optimizer})
+        batches = iter(fabric.setup_dataloaders(DataLoader(TensorDataset(xs, ys), batch_size=BATCH // shards)))
+        for _ in range(SAVED_AT):
+            next(batches)
+        resumed = train(fabric, model, optimizer, batches, STEPS - SAVED_AT)
+        worst = max(abs(a - b) for a, b in zip(resumed, expected[SAVED_AT:]))
+        check("a checkpoint of the hsdp mesh resumes here", worst < TOLERANCE, f"{resumed} vs {expected[SAVED_AT:]}")
+
     # init_module(empty_init=True): rank 0 builds the weights, the others nothing; after parallelizing, every rank
     # holds its slices of rank 0's, so the model equals one built normally with the same seed.
     torch.manual_seed(0)
