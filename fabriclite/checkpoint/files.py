@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import secrets
 import shutil
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +35,7 @@ _PARTIAL = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+(\.old)?")
 
 def partial_path(target: Path) -> Path:
     """A fresh name beside ``target`` for a file or folder being written (``remove_stale_partials`` knows it)."""
-    return target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+    return target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}-{os.urandom(4).hex()}")
 
 
 def remove_stale_partials(target: Path) -> None:
