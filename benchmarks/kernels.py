@@ -43,7 +43,10 @@ ROPE_HEAD_DIM, ROPE_SEQ_LEN = 64, 1024
 # Forward alone, and forward + backward (what a training step pays). A backward alone would have to run twice on
 # one graph, which the in-place backward of the cross-entropy refuses by design.
 MODES = ("forward", "both")
-IMPLEMENTATIONS = ("fabriclite", "torch", "torch.compile", "liger")
+# "fabriclite, overwrite": cross_entropy(..., overwrite_logits=True), the gradient written over the logits. The
+# benchmark's logits are leaves, whose .grad must be a tensor of its own, so it saves memory in the forward only
+# here; a model's logits (a linear layer's output) get no (N, C) buffer at all.
+IMPLEMENTATIONS = ("fabriclite", "fabriclite, overwrite", "torch", "torch.compile", "liger")
 
 Inputs = dict[str, torch.Tensor]
 
@@ -305,6 +308,9 @@ def cross_entropy_cases(shapes: tuple[tuple[int, int], ...] = CROSS_ENTROPY_SHAP
                 lambda r=rows, c=classes: make(r, c),
                 {
                     "fabriclite": kernels.cross_entropy,
+                    "fabriclite, overwrite": lambda logits, target: kernels.cross_entropy(
+                        logits, target, overwrite_logits=True
+                    ),
                     "torch": eager,
                     "torch.compile": _compiled(eager),
                     **(

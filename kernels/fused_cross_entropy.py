@@ -8,6 +8,12 @@ logits' gradient: one (N, C) buffer beyond the logits in all (so a graph kept wi
 run backward twice). The row is read twice (the second time mostly from L2) and the gradient written once, in the
 logits' dtype: no (N, C) fp32 temporary, no log-softmax.
 
+With ``overwrite_logits=True`` the gradient buffer is the logits themselves, as in Liger-Kernel: each row's
+gradient is written over the row once both sweeps have read it, and the memory beyond the inputs is O(N). That is
+for logits nothing else reads afterwards (a linear layer's output: its backward needs its input and weight, not its
+output); the logits' version counter is bumped, so an op that saved them for its backward raises torch's
+"modified by an inplace operation" error instead of computing a gradient from overwritten values.
+
 Only differences of logits are formed: the loss is ``(m - x_target) + log(d)`` and the softmax ``exp(x - m) / d``.
 ``lse = m + log(d)`` with x subtracted afterwards would keep only fp32's resolution at the logits' magnitude
 (1e-3 near 1e4), which a large common offset, harmless to the softmax, would turn into 1e-4 relative loss errors.
@@ -142,13 +148,19 @@ def _forward(
     label_smoothing: float,
     reduction: str,
     compute_grad: bool,
+    overwrite_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and the logits' gradient for grad_output 1: a new buffer, or the logits themselves (their rows made
+    contiguous first) when ``overwrite_logits``."""
     n_rows, n_cols = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     target = target.contiguous()
     row_loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    grad = torch.empty((n_rows, n_cols) if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
+    if overwrite_logits:
+        grad = logits
+    else:
+        grad = torch.empty((n_rows, n_cols) if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
     # Counted on the device and read by the kernel: no host sync for the mean's denominator.
     n_valid = (target != ignore_index).sum().to(torch.float32) if reduction == "mean" else row_loss
     block = _block(n_cols)
@@ -159,7 +171,7 @@ def _forward(
             logits,
             logits.stride(0),
             grad,
-            n_cols,
+            grad.stride(0) if compute_grad else n_cols,
             target,
             row_loss,
             n_valid,
@@ -194,7 +206,7 @@ def _scale_in_place(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
             (n_rows,),
             grad,  # read and written by the same program, element by element
             grad,
-            n_cols,
+            grad.stride(0),
             grad_output,
             stride,
             n_cols,
@@ -265,6 +277,26 @@ def _backward_formula(ctx, grad_loss, _grad_of_grad):
 _cross_entropy_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
+class _CrossEntropyOverwritingLogits(torch.autograd.Function):
+    """The eager path of ``overwrite_logits=True``. A custom op may not both mutate an input and have an autograd
+    formula, so this is a plain autograd Function; traced code takes the functional op instead."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):
+        loss, grad = _forward(logits, target, ignore_index, label_smoothing, reduction, True, overwrite_logits=True)
+        # The kernel wrote through a pointer, which autograd cannot see: bump the version so that any other op that
+        # saved these logits for its backward fails loudly rather than reading their gradient as their values.
+        torch.autograd.graph.increment_version(logits)
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        _scale_in_place(grad, grad_loss)
+        return grad, None, None, None, None
+
+
 # ---------------------------------------------------------------------- public API
 def cross_entropy(
     logits: torch.Tensor,
@@ -272,8 +304,13 @@ def cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    overwrite_logits: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy`` for (N, C) logits and (N,) class indices, with the gradient computed in the forward.
+
+    ``overwrite_logits=True`` writes the gradient over the logits (their values are lost; no (N, C) buffer is made)
+    when they require grad, for logits that nothing else reads afterwards, such as a linear layer's output. Under
+    ``torch.compile`` it is ignored: the compiler plans the buffers.
 
     Usage: ``loss = cross_entropy(logits.view(-1, vocab), labels.view(-1), ignore_index=-100)``.
     """
@@ -288,6 +325,8 @@ def cross_entropy(
         raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1].")
     check_dtypes("cross_entropy", "torch.nn.functional.cross_entropy", logits)
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
+    if overwrite_logits and compute_grad and not torch.compiler.is_compiling():
+        return _CrossEntropyOverwritingLogits.apply(logits, target, ignore_index, float(label_smoothing), reduction)
     loss, _ = torch.ops.fabriclite.cross_entropy(
         logits, target, ignore_index, float(label_smoothing), reduction, compute_grad
     )
@@ -300,17 +339,29 @@ class CrossEntropyLoss(torch.nn.Module):
     Usage: ``loss = CrossEntropyLoss(ignore_index=-100)(logits, target)``.
     """
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        overwrite_logits: bool = False,
+    ) -> None:
         super().__init__()
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
+        self.overwrite_logits = overwrite_logits
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, target, self.ignore_index, self.label_smoothing, self.reduction)
+        return cross_entropy(
+            logits, target, self.ignore_index, self.label_smoothing, self.reduction, self.overwrite_logits
+        )
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}"
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}"
+            + (", overwrite_logits=True" if self.overwrite_logits else "")
+        )
 
 
 __all__ = ["CrossEntropyLoss", "cross_entropy"]

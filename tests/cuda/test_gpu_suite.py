@@ -11,7 +11,7 @@ CSVS = {
     "vit": {"fp32", "bf16-mixed", "bf16-mixed + kernels", "bf16-mixed + compile", "bf16-mixed + compile + kernels"},
     "frameworks": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
     "overhead": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
-    "kernels": {"fabriclite", "torch", "torch.compile"},
+    "kernels": {"fabriclite", "fabriclite, overwrite", "torch", "torch.compile"},
 }
 # What a row may report instead of a number: an optional package this machine lacks.
 MISSING_PACKAGE = "No module named"

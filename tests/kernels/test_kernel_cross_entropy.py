@@ -152,9 +152,6 @@ def test_bad_arguments_are_refused_with_the_valid_choices(logits_shape, target_s
         cross_entropy(torch.randn(logits_shape), torch.zeros(target_shape, dtype=torch.long), **kwargs)
 
 
-_VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default}
-
-
 class _LogitSizedAllocations(torch.utils._python_dispatch.TorchDispatchMode):
     """Records every op output with ``numel`` elements: an (N, C) buffer made while the mode is on."""
 
@@ -169,7 +166,7 @@ class _LogitSizedAllocations(torch.utils._python_dispatch.TorchDispatchMode):
                 isinstance(tensor, torch.Tensor)
                 and tensor.numel() == self.numel
                 and not func._schema.is_mutable
-                and func not in _VIEWS
+                and not func.is_view
             ):
                 self.made.append(str(func))
         return out
@@ -195,3 +192,70 @@ def test_a_retained_graph_cannot_be_run_backward_twice_instead_of_scaling_twice(
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_overwrite_logits_writes_their_gradient_over_a_linear_layers_output(reduction, dtype):
+    torch.manual_seed(7)
+    hidden, hidden_reference = leaf_pair(torch.randn(6, 8), dtype)
+    weight, weight_reference = leaf_pair(torch.randn(41, 8) / 8**0.5, dtype)
+    target = _targets(6, 41, ignored=(2,))
+    logits = hidden @ weight.T
+    # The reference starts from our logits' values (rounded to dtype), so only the cross-entropy is compared.
+    reference = logits.detach().double().requires_grad_()
+    gradients_seen = []
+    logits.register_hook(lambda grad: gradients_seen.append(grad.data_ptr()))
+    logits_memory = logits.data_ptr()
+
+    with launched(FORWARD, BACKWARD), _LogitSizedAllocations(6 * 41) as allocations:
+        loss = cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1, overwrite_logits=True)
+        loss.sum().backward()
+    expected = F.cross_entropy(reference, target, reduction=reduction, label_smoothing=0.1)
+    expected.sum().backward()
+
+    assert allocations.made == [], f"an (N, C) buffer was made: {allocations.made}"
+    assert gradients_seen == [logits_memory], "the logits' gradient must live in the logits' own memory"
+    gradient = logits.detach()  # what the logits hold now
+    assert_matches(loss, expected, dtype)
+    assert_matches(gradient, reference.grad, dtype)
+    # It then flows on through the matmul as any gradient would.
+    torch.testing.assert_close(hidden.grad, gradient @ weight.detach())
+    torch.testing.assert_close(weight.grad, gradient.T @ hidden.detach())
+
+
+def test_overwrite_logits_that_another_op_saved_fails_loudly_instead_of_a_wrong_gradient():
+    # tanh's backward reads its output: overwritten logits would give it the gradient as values.
+    pre_activation = torch.randn(4, 9, device=DEVICE, requires_grad=True)
+    logits = torch.tanh(pre_activation)
+    loss = cross_entropy(logits, _targets(4, 9), overwrite_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_overwrite_logits_leaves_logits_without_grad_untouched():
+    logits, target = torch.randn(3, 10, device=DEVICE), _targets(3, 10)
+    before = logits.clone()
+    with launched(FORWARD):
+        loss = cross_entropy(logits, target, overwrite_logits=True)
+    assert torch.equal(logits, before)
+    assert_matches(loss, F.cross_entropy(before.double(), target), torch.float32)
+
+
+def test_overwrite_logits_under_torch_compile_traces_the_functional_op_into_one_graph():
+    torch.manual_seed(8)
+    hidden, weight = torch.randn(5, 6, device=DEVICE, requires_grad=True), torch.randn(13, 6, device=DEVICE)
+    target = _targets(5, 13, ignored=(0,))
+
+    def step(hidden, target):
+        return cross_entropy(hidden @ weight.T, target, overwrite_logits=True)
+
+    expected = F.cross_entropy(hidden.detach().double() @ weight.double().T, target)
+    torch._dynamo.reset()
+    with launched(FORWARD, BACKWARD):
+        loss = torch.compile(step, backend="aot_eager", fullgraph=True)(hidden, target)  # a graph break raises
+        loss.backward()
+    assert_matches(loss, expected, torch.float32)
+    reference = hidden.detach().double().requires_grad_()
+    F.cross_entropy(reference @ weight.double().T, target).backward()
+    assert_matches(hidden.grad, reference.grad, torch.float32)
