@@ -109,7 +109,12 @@ def _chunked(
     grad_hidden = torch.empty((n_rows, hidden_size), dtype=dtype, device=device) if want_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if want_weight else None
     grad_bias = torch.zeros(vocab_size, dtype=torch.float32, device=device) if want_bias else None
-    fp32_out = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    # torch.addmm(..., out_dtype=) is CUDA-only and newer than our oldest supported torch.
+    fp32_out = (
+        device.type == "cuda"
+        and hasattr(torch.ops.aten.addmm, "dtype_out")
+        and torch.cuda.get_device_capability(device)[0] >= 8
+    )
     block = fused_cross_entropy._block(vocab_size)
     # The kernel rounds the logits' gradient once, to their dtype. What is done to it afterwards (the softcap's
     # derivative, the z-loss's term, a per-row scale) would round a bf16 gradient again, so those chunks are
