@@ -294,6 +294,7 @@ class _CrossEntropyOverwritingLogits(torch.autograd.Function):
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
         _scale_in_place(grad, grad_loss)
+        torch.autograd.graph.increment_version(grad)  # a second backward through a retained graph raises
         return grad, None, None, None, None
 
 
