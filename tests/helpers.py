@@ -81,22 +81,27 @@ def sigkill(child: subprocess.Popen) -> None:
 
 
 def read_until(child: subprocess.Popen, text: str, timeout: float) -> str:
-    """The output of a ``start_python`` child up to and including the first line containing ``text``; fails the
-    test (showing the output) when ``timeout`` seconds pass first or the child ends without printing it."""
-    lines: list[str] = []
+    """The output of a ``start_python`` child up to the first line containing ``text`` (and whatever came with it);
+    fails the test (showing the output) when ``timeout`` seconds pass first or the child ends without printing it.
+
+    Reads the pipe's file descriptor itself, not ``child.stdout``: that file's read-ahead buffer would keep output
+    that a later ``child.communicate()``, which reads the descriptor, never sees.
+    """
+    data = bytearray()
+    wanted = text.encode()
     found = threading.Event()
 
     def read() -> None:
-        for line in child.stdout:
-            lines.append(line)
-            if text in line:
-                found.set()
-                return
-        found.set()  # the child closed its output
+        while wanted not in data:
+            chunk = os.read(child.stdout.fileno(), 65536)
+            if not chunk:  # the child closed its output
+                break
+            data.extend(chunk)
+        found.set()
 
     threading.Thread(target=read, daemon=True).start()
     found.wait(timeout)
-    output = "".join(lines)
+    output = bytes(data).decode(errors="replace")
     assert text in output, f"no line with {text!r} within {timeout} s:\n{output[-3000:]}"
     return output
 
