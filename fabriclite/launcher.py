@@ -33,6 +33,7 @@ from fabriclite.plugins.environments import free_port
 
 LAUNCHER_ENV = "FABRICLITE_LAUNCHER"
 INTERRUPT_GRACE_S = 10.0
+SIBLING_EXIT_GRACE_S = 1.0  # after an error here, how long to wait for a dying child to show its exit
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 _guarded = False  # stop_on_interrupt runs once per process
 
@@ -207,6 +208,8 @@ class SubprocessLauncher:
         previous_hook = sys.excepthook
 
         def kill_children_then_report(*exc_info: Any) -> None:
+            if not issubclass(exc_info[0], KeyboardInterrupt):  # on Ctrl-C every rank stops at once: no news
+                self._wait_for_a_child_to_fail(SIBLING_EXIT_GRACE_S)
             self.kill_children()
             previous_hook(*exc_info)
 
@@ -225,6 +228,16 @@ class SubprocessLauncher:
             if all(child.poll() == 0 for child in self.children):
                 return
             time.sleep(0.2)
+
+    def _wait_for_a_child_to_fail(self, within: float) -> None:
+        # A child that dies closes its sockets before the OS lets its parent see it exit, so this process's collective
+        # can fail first. Waiting that moment lets the report name the rank that died (SIGKILL by the OOM killer,
+        # say) instead of only the collective's "connection closed by peer". Costs `within` when no child fails.
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if any(child.poll() not in (None, 0) for child in self.children):
+                return
+            time.sleep(0.02)
 
     def kill_children(self) -> None:
         if not self._killing:

@@ -66,6 +66,7 @@ def pid_alive(pid):
         ("kill", 60, "process 1 was killed by SIGKILL; stopping the other processes"),
         ("hang", 60, ""),
         ("late", 60, "process 1 exited with code 3; this run failed"),
+        ("kill-late", 60, "process 1 was killed by SIGKILL; stopping the other processes"),
     ],
 )
 def test_a_failing_or_hanging_rank_stops_the_run_with_an_error_and_no_orphans(mode, within, message):
