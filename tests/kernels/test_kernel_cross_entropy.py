@@ -188,7 +188,7 @@ def test_the_backward_scales_the_forward_gradient_in_place_without_a_second_logi
 
 @pytest.mark.parametrize("overwrite_logits", [False, True])
 def test_a_retained_graph_cannot_be_run_backward_twice_instead_of_scaling_twice(overwrite_logits):
-    logits = torch.randn(4, 9, device=DEVICE, requires_grad=True) * 1.0
+    logits = torch.randn(4, 9, device=DEVICE, requires_grad=True) * 1.0  # not a leaf, as a model's logits
     loss = cross_entropy(logits, _targets(4, 9), overwrite_logits=overwrite_logits)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
