@@ -27,6 +27,9 @@ from fabriclite.checkpoint.files import (
     CheckpointIO,
     TorchCheckpointIO,
     atomic_save,
+    check_replaceable,
+    describe,
+    is_checkpoint,
     partial_path,
     remove,
     replace,
@@ -41,7 +44,10 @@ __all__ = [
     "CheckpointNotFoundError",
     "TorchCheckpointIO",
     "atomic_save",
+    "check_replaceable",
     "consolidate",
+    "describe",
+    "is_checkpoint",
     "load",
     "safe_load",
     "save",
@@ -220,6 +226,7 @@ def consolidate(sharded_dir: str | os.PathLike, out_file: str | os.PathLike, ver
         raise CheckpointError(
             sharded_dir, "not a checkpoint", f"{str(sharded_dir)!r} is a file; consolidate takes a sharded folder."
         )
+    check_replaceable(out_file)
     checkpoint = load_sharded(sharded_dir, None, weights_only=True, verify=verify)
     atomic_save(checkpoint, out_file)
 
@@ -245,6 +252,10 @@ def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
 
 
 def _save_file(checkpoint: dict[str, Any], path: Path, checkpoint_io: CheckpointIO) -> None:
+    # A plugin's own file format is its own to judge; anything else at the path must be a checkpoint we wrote.
+    plugin_file = not isinstance(checkpoint_io, TorchCheckpointIO) and path.is_file() and not path.is_symlink()
+    if not plugin_file:
+        check_replaceable(path)
     if not path.is_dir():
         checkpoint_io.save_checkpoint(checkpoint, path)
         return

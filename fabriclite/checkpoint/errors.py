@@ -23,6 +23,7 @@ REASONS = (
     "permission denied",
     "unwritable",
     "unreadable",
+    "occupied",
 )
 
 

@@ -1,7 +1,8 @@
 """Checkpoint files that never lose work: written atomically (a crash mid-write leaves the previous file or folder
-whole, and the next save removes what it left), with the modes the umask gives, read safely (checksums verified,
-``weights_only`` by default, one ``CheckpointError`` for whatever is wrong), and the ``CheckpointIO`` plugin
-interface through which strategies write and read single files.
+whole, and the next save removes what it left), never over anything but a checkpoint we wrote
+(``check_replaceable``), with the modes the umask gives, read safely (checksums verified, ``weights_only`` by
+default, one ``CheckpointError`` for whatever is wrong), and the ``CheckpointIO`` plugin interface through which
+strategies write and read single files.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import re
 import shutil
 import socket
+import stat
+import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -24,7 +27,7 @@ from fabriclite.checkpoint.errors import (
     read_failure,
     save_failure,
 )
-from fabriclite.checkpoint.integrity import fill_in_crcs, verify_file
+from fabriclite.checkpoint.integrity import MANIFEST_FILE, fill_in_crcs, read_manifest, verify_file
 
 
 # The name of a save in progress: beside its target, hidden, saying which process on which machine writes it, so a
@@ -60,6 +63,150 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return True  # another user's process
     return True
+
+
+# What is at a checkpoint path before a save: only a checkpoint fabriclite writes may be replaced, never a user's file.
+# torch.save's legacy (non-zip) format starts with this pickled magic number.
+_LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a checkpoint in a format fabriclite writes, so a save may replace it: a ``torch.save``
+    file (a zip archive with a ``data.pkl`` record, or torch's legacy format), or a sharded folder with a valid
+    ``manifest.json`` that lists every file in the folder (a file added to it by hand makes it not ours).
+
+    Reads only the zip directory or the manifest, never unpickles. A symbolic link is never a checkpoint (saving
+    replaces the link, not the file it points to). Usage: ``if is_checkpoint("runs/last.ckpt"): ...``.
+    """
+    return _kind(Path(path)) in ("checkpoint file", "checkpoint folder")
+
+
+def describe(path: str | os.PathLike) -> str:
+    """What is at ``path``, in a few words for an error message: "nothing", "an empty folder", "a folder with 3
+    entries: a.txt, b/, c.ckpt", "a text file of 120 bytes beginning 'epoch 1 ...'", "a checkpoint file of 4.0 MiB",
+    "a symbolic link to 'x'", ... Usage: ``raise ValueError(f"{path} holds {describe(path)}")``."""
+    path = Path(path)
+    kind = _kind(path)
+    if kind == "nothing":
+        return "nothing"
+    if kind == "link":
+        return f"a symbolic link to {os.readlink(path)!r}"
+    if kind in ("folder", "checkpoint folder", "empty folder"):
+        if kind == "empty folder":
+            return "an empty folder"
+        entries = _entries(path)
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        what = "a sharded checkpoint folder" if kind == "checkpoint folder" else "a folder"
+        return f"{what} with {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}: {shown}"
+    if kind == "other":
+        return _special_kind(path)
+    size = _size(path)
+    if kind == "empty file":
+        return "an empty file"
+    if kind == "checkpoint file":
+        return f"a checkpoint file of {size}"
+    head = _head(path, 512)
+    if head is None:
+        return f"a file of {size} that cannot be read"
+    if kind == "zip":
+        return f"a zip archive of {size} (not torch.save's format)"
+    if head.startswith(b"\x80") and len(head) > 1 and head[1] <= 5:
+        return f"a pickle file of {size} (not torch.save's format)"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"a binary file of {size}"
+    first = text.strip().splitlines()[0][:40] if text.strip() else ""
+    return f"a text file of {size}" + (f" beginning {first!r}" if first else "")
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """Raise ``CheckpointError`` (reason "occupied"), naming ``path`` and what is there, unless a save may put a
+    checkpoint at ``path``: nothing is there, an empty folder, or a checkpoint fabriclite writes (``is_checkpoint``).
+    Touches nothing. Usage: ``check_replaceable(path)`` before writing, on the rank that writes."""
+    path = Path(path)
+    kind = _kind(path)
+    if kind in ("nothing", "empty folder", "checkpoint file", "checkpoint folder"):
+        return
+    inside = f"pass a path inside it (such as {str(path / 'last.ckpt')!r}), " if kind == "folder" else ""
+    raise CheckpointError(
+        path,
+        "occupied",
+        f"Will not save a checkpoint to {str(path)!r}: {describe(path)} is there, and fabric.save replaces only a "
+        f"checkpoint it wrote. Nothing was changed. To save, {inside}choose another path, or move that away first.",
+    )
+
+
+def _kind(path: Path) -> str:
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return "nothing"
+    except OSError:
+        return "other"
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISDIR(mode):
+        entries = _entries(path)
+        if not entries:
+            return "empty folder"
+        return "checkpoint folder" if _is_checkpoint_folder(path, entries) else "folder"
+    if not stat.S_ISREG(mode):
+        return "other"
+    if path.lstat().st_size == 0:
+        return "empty file"
+    head = _head(path, len(_LEGACY_TORCH_MAGIC))
+    if head == _LEGACY_TORCH_MAGIC:
+        return "checkpoint file"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return "file"
+    return "checkpoint file" if any(name.endswith("/data.pkl") for name in names) else "zip"
+
+
+def _entries(folder: Path) -> list[str]:
+    try:
+        return sorted(
+            entry.name + ("/" if entry.is_dir() and not entry.is_symlink() else "") for entry in folder.iterdir()
+        )
+    except OSError:
+        return ["(unreadable)"]
+
+
+def _is_checkpoint_folder(folder: Path, entries: list[str]) -> bool:
+    if MANIFEST_FILE not in entries:
+        return False
+    try:
+        listed = read_manifest(folder)
+    except (CheckpointError, OSError):
+        return False
+    return all(
+        name == MANIFEST_FILE or (name in listed and stat.S_ISREG((folder / name).lstat().st_mode)) for name in entries
+    )
+
+
+def _head(path: Path, size: int) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError:
+        return None
+
+
+def _size(path: Path) -> str:
+    size = path.lstat().st_size
+    return f"{size} bytes" if size < 2**20 else f"{size / 2**20:.1f} MiB"
+
+
+def _special_kind(path: Path) -> str:
+    mode = path.lstat().st_mode
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device"
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:

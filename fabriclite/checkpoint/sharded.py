@@ -27,6 +27,7 @@ from fabriclite.checkpoint.errors import (
 from fabriclite.checkpoint.files import (
     atomic_save,
     atomic_write,
+    check_replaceable,
     fsync_dir,
     partial_path,
     remove,
@@ -56,6 +57,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
     structure = map_with_path(checkpoint, torch.Tensor, placeholder)
 
     def start() -> str:
+        check_replaceable(path)  # never replace what a user put there
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(path)
         folder = partial_path(path)
