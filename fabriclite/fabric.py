@@ -437,7 +437,7 @@ class Fabric(LegacyAPI):
             path, state, strict=strict, weights_only=weights_only, verify=verify
         )
         if state is not None and meta is not None:
-            checkpoint.restore_meta(meta, self._precision, self.global_rank)
+            checkpoint.restore_meta(meta, self._precision, self.global_rank, path)
         self._strategy.barrier("load")
         return remainder
 

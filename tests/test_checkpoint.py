@@ -1,4 +1,5 @@
 import os
+import pickle
 import random
 import time
 
@@ -170,3 +171,64 @@ def test_sigkill_during_save_never_leaves_a_broken_checkpoint(tmp_path):
         value = checkpoint["version"]
         assert torch.equal(checkpoint["payload"], torch.full_like(checkpoint["payload"], float(value)))
     assert kills_during_write > 0, "no kill landed while a save was being written; the test proved nothing"
+
+
+def test_loading_into_a_model_of_another_shape_is_a_checkpoint_error_and_a_runtime_error(tmp_path):
+    fabric = Fabric(accelerator="cpu")
+    fabric.save(tmp_path / "c.ckpt", {"model": nn.Linear(3, 2)})
+    for strict in (True, False):
+        with pytest.raises(CheckpointError) as caught:
+            fabric.load(tmp_path / "c.ckpt", {"model": nn.Linear(3, 4)}, strict=strict)
+        error = caught.value
+        assert isinstance(error, RuntimeError) and error.reason == "mismatch" and error.path == str(tmp_path / "c.ckpt")
+        assert "weight is [2, 3] in the checkpoint, [4, 3] in the model" in str(error)
+        assert "bias is [2] in the checkpoint, [4] in the model" in str(error)
+        assert "state['model']" in str(error) and "strict=False" not in str(error)  # strict=False would not help
+
+
+def test_missing_and_unexpected_parameters_are_listed_with_strict_false_as_the_way_out(tmp_path):
+    fabric = Fabric(accelerator="cpu")
+    fabric.save(tmp_path / "c.ckpt", {"model": nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))})
+    other = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    with pytest.raises(RuntimeError) as caught:
+        fabric.load(tmp_path / "c.ckpt", {"model": other})
+    message = str(caught.value)
+    assert isinstance(caught.value, CheckpointError) and caught.value.reason == "mismatch"
+    assert "missing from the checkpoint: 2.weight, 2.bias" in message
+    assert "not in the model: 1.weight, 1.bias" in message and "Pass strict=False" in message
+    fabric.load(tmp_path / "c.ckpt", {"model": other}, strict=False)
+
+
+def test_a_key_the_checkpoint_lacks_is_a_checkpoint_error_and_a_key_error(tmp_path):
+    fabric = Fabric(accelerator="cpu")
+    fabric.save(tmp_path / "c.ckpt", {"step": 1})
+    with pytest.raises(CheckpointError) as caught:
+        fabric.load(tmp_path / "c.ckpt", {"step": 0, "epoch": 0})
+    error = caught.value
+    assert isinstance(error, KeyError) and error.reason == "mismatch"
+    assert str(error).startswith("Checkpoint ") and "['epoch']" in str(error)  # not quoted, as KeyError would
+    copy = pickle.loads(pickle.dumps(error))  # travels between processes as what it is
+    assert type(copy) is type(error) and copy.path == error.path and str(copy) == str(error)
+
+
+def test_an_optimizer_of_other_parameter_groups_is_a_checkpoint_error_and_a_value_error(tmp_path):
+    fabric = Fabric(accelerator="cpu")
+    model = nn.Linear(3, 2)
+    fabric.save(tmp_path / "c.ckpt", {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})
+    other = torch.optim.SGD([model.weight], lr=0.1)
+    with pytest.raises(ValueError) as caught:
+        fabric.load(tmp_path / "c.ckpt", {"optimizer": other})
+    assert isinstance(caught.value, CheckpointError) and "state['optimizer'] (SGD)" in str(caught.value)
+
+
+def test_load_raw_failures_are_checkpoint_errors_of_torchs_type_too(tmp_path):
+    torch.save(nn.Linear(3, 2).state_dict(), tmp_path / "w.pt")
+    fabric = Fabric(accelerator="cpu")
+    with pytest.raises(RuntimeError) as caught:
+        fabric.load_raw(tmp_path / "w.pt", nn.Linear(3, 5))
+    assert isinstance(caught.value, CheckpointError) and "[2, 3] in the checkpoint, [5, 3] in the model" in str(
+        caught.value
+    )
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")  # not a state dict at all
+    with pytest.raises(CheckpointError, match="tensor.pt"):
+        fabric.load_raw(tmp_path / "tensor.pt", nn.Linear(3, 5))

@@ -209,5 +209,6 @@ def test_fsdp_saves_on_two_processes_never_replace_a_users_files(tmp_path):
             "sharded: a text file is refused on every rank",
             "our own checkpoint folder is replaced",
             "our own checkpoint file is replaced",
+            "sharded: loading into a model of another shape is a CheckpointError and a RuntimeError naming the shapes",
         ],
     )

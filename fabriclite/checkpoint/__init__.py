@@ -22,7 +22,15 @@ import torch
 
 from fabriclite._collections import map_with_path
 from fabriclite.callbacks import accepted_kwargs
-from fabriclite.checkpoint.errors import CheckpointError, CheckpointNotFoundError, agreed, read_failure
+from fabriclite.checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    agreed,
+    error_like,
+    first_line,
+    mismatch,
+    read_failure,
+)
 from fabriclite.checkpoint.files import (
     CheckpointIO,
     TorchCheckpointIO,
@@ -117,11 +125,16 @@ def capture_meta(strategy: Any, precision: Any) -> dict[str, Any]:
     return {"rng_per_rank": strategy.all_gather_object(capture_rng_state()), "precision": precision.state_dict()}
 
 
-def restore_meta(meta: dict[str, Any], precision: Any, rank: int) -> None:
-    """Put back what ``capture_meta`` saved; loaded into more ranks than saved it, the others take rank 0's streams."""
-    precision.load_state_dict(meta.get("precision", {}))
-    rng_per_rank = meta["rng_per_rank"]
-    restore_rng_state(rng_per_rank[rank] if rank < len(rng_per_rank) else rng_per_rank[0])
+def restore_meta(meta: dict[str, Any], precision: Any, rank: int, path: Any = "") -> None:
+    """Put back what ``capture_meta`` saved; loaded into more ranks than saved it, the others take rank 0's streams.
+    A damaged entry raises ``CheckpointError`` ("corrupt") naming ``path``."""
+    try:
+        precision.load_state_dict(meta.get("precision", {}))
+        rng_per_rank = meta["rng_per_rank"]
+        restore_rng_state(rng_per_rank[rank] if rank < len(rng_per_rank) else rng_per_rank[0])
+    except Exception as error:
+        message = f"Checkpoint {str(path)!r}: its {META_KEY!r} entry is damaged ({first_line(error)})."
+        raise error_like(type(error))(path, "corrupt", message) from error
 
 
 def to_checkpoint(
@@ -142,24 +155,77 @@ def to_checkpoint(
 
 def checkpoint_into_state(checkpoint: dict[str, Any], state: dict[str, Any], strict: bool, path: Any) -> dict[str, Any]:
     """Load ``checkpoint`` into ``state`` in place (objects via ``load_state_dict``, plain values by assignment);
-    return the entries ``state`` did not ask for."""
+    return the entries ``state`` did not ask for. What does not fit raises ``CheckpointError`` ("mismatch"), also
+    an instance of the type torch raised (``KeyError`` for a key the checkpoint lacks)."""
     missing = [key for key in state if key not in checkpoint]
     if strict and missing:
-        raise KeyError(
+        raise mismatch(
+            path,
             f"Checkpoint {str(path)!r} lacks the keys {missing}; it has {sorted(checkpoint)}. "
-            "Pass strict=False to load what is there."
+            "Pass strict=False to load what is there.",
+            KeyError,
         )
     for key, obj in list(state.items()):
         if key not in checkpoint:
             continue
         value = checkpoint.pop(key)
-        if isinstance(obj, torch.nn.Module):
-            obj.load_state_dict(value, strict=strict)
-        elif callable(getattr(obj, "load_state_dict", None)):
-            obj.load_state_dict(value)
+        if callable(getattr(obj, "load_state_dict", None)):
+            load_state_dict(obj, value, strict, path, f"state[{key!r}]")
         else:
             state[key] = value
     return checkpoint
+
+
+def load_state_dict(obj: Any, value: Any, strict: bool, path: Any, what: str) -> None:
+    """``obj.load_state_dict(value)`` (with ``strict`` for a module); a failure raises ``CheckpointError``
+    ("mismatch"), also an instance of torch's error type, naming the parameters and shapes that differ."""
+    try:
+        if isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(value, strict=strict)
+        else:
+            obj.load_state_dict(value)
+    except Exception as error:
+        if isinstance(error, CheckpointError):
+            raise
+        if isinstance(obj, torch.nn.Module) and isinstance(value, Mapping):
+            detail = _module_differences(obj, value, strict)
+        else:
+            detail = None
+        message = f"Checkpoint {str(path)!r} does not fit {what} ({type(obj).__name__}): "
+        message += detail or f"{first_line(error)}."
+        raise mismatch(path, message, type(error)) from error
+
+
+def _module_differences(module: torch.nn.Module, value: Mapping[str, Any], strict: bool) -> str | None:
+    # Only on the failure path: the module's own state dict, compared with the checkpoint's.
+    own = module.state_dict()
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+
+    shapes = [
+        f"{name} is {list(value[name].shape)} in the checkpoint, {list(own[name].shape)} in the model"
+        for name in own
+        if isinstance(own[name], torch.Tensor)
+        and isinstance(value.get(name), torch.Tensor)
+        and value[name].shape != own[name].shape
+    ]
+    missing = [name for name in own if name not in value] if strict else []
+    unexpected = [name for name in value if name not in own] if strict else []
+    parts = []
+    if shapes:
+        parts.append(f"size mismatch: {'; '.join(shapes[:10])}{'; ...' if len(shapes) > 10 else ''}")
+    if missing:
+        parts.append(f"missing from the checkpoint: {listed(missing)}")
+    if unexpected:
+        parts.append(f"not in the model: {listed(unexpected)}")
+    if not parts:
+        return None
+    if shapes:
+        advice = "It was saved from a model of another shape; build the model as it was when saved."
+    else:
+        advice = "Pass strict=False to load the entries both have."
+    return f"{'; '.join(parts)}. {advice}"
 
 
 # ---------------------------------------------------------------------- saving and loading, both formats
@@ -236,13 +302,12 @@ def load_raw(
 ) -> None:
     """Load a plain state dict (e.g. ``torch.save(model.state_dict())``) into a module or an optimizer; the CRC-32s
     that ``torch.save`` stores in the file are checked first (``verify``)."""
-    state_dict = safe_load(path, weights_only=weights_only, verify=verify)
-    if isinstance(obj, torch.nn.Module):
-        obj.load_state_dict(state_dict, strict=strict)
-    elif isinstance(obj, torch.optim.Optimizer):
-        obj.load_state_dict(state_dict)
-    else:
+    if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         raise TypeError(f"fabric.load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
+    state_dict = safe_load(path, weights_only=weights_only, verify=verify)
+    load_state_dict(
+        obj, state_dict, strict, path, "the " + ("module" if isinstance(obj, torch.nn.Module) else "optimizer")
+    )
 
 
 def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:

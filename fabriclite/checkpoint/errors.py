@@ -24,6 +24,7 @@ REASONS = (
     "unwritable",
     "unreadable",
     "occupied",
+    "mismatch",
 )
 
 
@@ -47,6 +48,43 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
     def __init__(self, path: str | os.PathLike, reason: str = "missing", message: str = "") -> None:
         super().__init__(path, reason, message or f"Checkpoint {str(path)!r} does not exist.")
+
+
+def mismatch(path: str | os.PathLike, message: str, like: type[Exception] = RuntimeError) -> CheckpointError:
+    """A ``CheckpointError`` (reason "mismatch": the checkpoint does not fit what it is loaded into) that is also an
+    instance of ``like``, the type torch or Lightning raises there (``KeyError`` for a missing key, ``RuntimeError``
+    for a size mismatch, ``ValueError`` for an optimizer of other parameter groups), so ``except CheckpointError``
+    and ``except like`` both catch it. Usage: ``raise mismatch(path, "...", KeyError) from error``."""
+    return error_like(like)(path, "mismatch", message)
+
+
+def error_like(like: type[Exception]) -> type[CheckpointError]:
+    """The subclass of ``CheckpointError`` and ``like`` (``CheckpointError`` itself where it already is one, or
+    where ``like`` cannot be combined with it); picklable, so it travels between processes."""
+    if issubclass(CheckpointError, like):
+        return CheckpointError
+    if like not in _CLASSES:
+        try:
+            _CLASSES[like] = type(
+                f"Checkpoint{like.__name__}",
+                (CheckpointError, like),
+                {"__str__": BaseException.__str__, "__reduce__": _reduce_mixed, "__module__": __name__},
+            )
+        except TypeError:  # a type that cannot be combined with RuntimeError
+            return CheckpointError
+    return _CLASSES[like]
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _reduce_mixed(error: CheckpointError) -> tuple:
+    like = next(base for base in type(error).__bases__ if base is not CheckpointError)
+    return _rebuild, (like, error.path, error.reason, str(error))
+
+
+def _rebuild(like: type[Exception], path: str, reason: str, message: str) -> CheckpointError:
+    return error_like(like)(path, reason, message)
 
 
 def save_failure(path: Path, error: BaseException) -> CheckpointError:

@@ -1,6 +1,7 @@
 """FSDP on 2 processes saves onto paths that hold the user's files (a folder of files, a text file): every rank raises
 the same CheckpointError ("occupied") and every file is kept byte for byte, in the sharded and the full format; our
-own checkpoint folder and file are replaced. Prints "PASS <rank> <name>".
+own checkpoint folder and file are replaced. Loading a sharded checkpoint into a model of another shape raises a
+CheckpointError that is also a RuntimeError, naming the shapes. Prints "PASS <rank> <name>".
 
 Usage: `python fsdp_save_occupied.py OUT_DIR`.
 """
@@ -20,9 +21,10 @@ def files_under(folder):
     return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def attempt(fabric, path, state):
+def attempt(call, *args):
+    """The CheckpointError ``call(*args)`` raised, or None."""
     try:
-        fabric.save(path, state)
+        call(*args)
     except CheckpointError as error:
         return error
     return None
@@ -45,7 +47,7 @@ before = files_under(users)
 
 for name, fabric in [("sharded", sharded), ("full", full)]:
     model = fabric.setup(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
-    error = attempt(fabric, users, {"model": model})
+    error = attempt(fabric.save, users, {"model": model})
     report(
         rank,
         f"{name}: a folder of user files is refused on every rank",
@@ -55,7 +57,7 @@ for name, fabric in [("sharded", sharded), ("full", full)]:
     fabric.barrier()
     report(rank, f"{name}: the user's files are kept byte for byte", files_under(users) == before)
 
-error = attempt(sharded, out / "log.txt", {"step": 1})
+error = attempt(sharded.save, out / "log.txt", {"step": 1})
 report(
     rank,
     "sharded: a text file is refused on every rank",
@@ -70,5 +72,16 @@ report(rank, "our own checkpoint folder is replaced", path.is_dir() and sharded.
 full.save(path, {"step": 2})
 full.save(path, {"step": 3})
 report(rank, "our own checkpoint file is replaced", path.is_file() and full.load(path)["step"] == 3)
+
+path = out / "model.ckpt"
+sharded.save(path, {"model": sharded.setup(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))})
+wider = sharded.setup(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)))
+error = attempt(sharded.load, path, {"model": wider})
+report(
+    rank,
+    "sharded: loading into a model of another shape is a CheckpointError and a RuntimeError naming the shapes",
+    isinstance(error, RuntimeError) and "0.weight is [16, 16] in the checkpoint, [32, 16] in the model" in str(error),
+    repr(error),
+)
 sharded.barrier()
 print(f"DONE {rank}", flush=True)
