@@ -232,3 +232,22 @@ def test_load_raw_failures_are_checkpoint_errors_of_torchs_type_too(tmp_path):
     torch.save(torch.zeros(3), tmp_path / "tensor.pt")  # not a state dict at all
     with pytest.raises(CheckpointError, match="tensor.pt"):
         fabric.load_raw(tmp_path / "tensor.pt", nn.Linear(3, 5))
+
+
+@pytest.mark.parametrize(
+    "content, what",
+    [
+        (b"collecting data\nstep 10 loss 0.3\n", "a text file of 33 bytes beginning 'collecting data'"),
+        (b"epoch 1 loss 0.3\n", "a text file of 17 bytes beginning 'epoch 1 loss 0.3'"),
+        (pickle.dumps({"step": 1}), "a pickle file"),
+    ],
+)
+def test_a_file_that_is_no_checkpoint_is_described_without_advice_to_drop_weights_only(tmp_path, content, what):
+    path = tmp_path / "train.log"
+    path.write_bytes(content)
+    fabric = Fabric(accelerator="cpu")
+    for weights_only in (True, False):
+        with pytest.raises(CheckpointError, match="is not a checkpoint: it is " + what) as caught:
+            fabric.load(path, weights_only=weights_only)
+        assert caught.value.reason == "not a checkpoint" and "weights_only" not in str(caught.value)
+    assert path.read_bytes() == content

@@ -319,6 +319,16 @@ def _in_background(fn: Callable, *args: Any) -> Future:
 
 
 def _load_failure(path: Path, error: Exception, weights_only: bool) -> CheckpointError:
+    if isinstance(error, OSError):
+        return read_failure(path, error)
+    if _kind(path) != "checkpoint file":
+        # A log, a text file, a plain pickle: say what it is. weights_only=False would only fail later, unsafely.
+        return CheckpointError(
+            path,
+            "not a checkpoint",
+            f"{str(path)!r} is not a checkpoint: it is {describe(path)}, not a file written by fabric.save or "
+            "torch.save (or one cut short or damaged beyond recognition).",
+        )
     text = str(error)
     if weights_only and ("Weights only load failed" in text or "weights_only" in text):
         return CheckpointError(
@@ -327,8 +337,6 @@ def _load_failure(path: Path, error: Exception, weights_only: bool) -> Checkpoin
             f"Checkpoint {str(path)!r} holds objects that weights_only loading refuses. If you trust this file, "
             f"load it with weights_only=False. Original error: {text.splitlines()[0]}",
         )
-    if isinstance(error, OSError):
-        return read_failure(path, error)
     return CheckpointError(
         path,
         "not a checkpoint",
