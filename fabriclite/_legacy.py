@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any, ContextManager
 
-from fabriclite.utilities.rank_zero import rank_zero_deprecation
+from fabriclite.rank_zero import rank_zero_deprecation
 
 
 def _run_subclass(fabric: Any, *args: Any, **kwargs: Any) -> Any:

@@ -7,9 +7,10 @@ Usage: ``call_hook(callbacks, "on_train_epoch_end", results=results)``; ``fabric
 
 from __future__ import annotations
 
-import inspect
 import warnings
-from typing import Any, Callable
+from typing import Any
+
+from fabriclite._signatures import accepted_kwargs
 
 
 def call_hook(callbacks: list[Any], hook_name: str, *args: Any, **kwargs: Any) -> None:
@@ -26,18 +27,3 @@ def call_hook(callbacks: list[Any], hook_name: str, *args: Any, **kwargs: Any) -
             )
             continue
         method(*args, **accepted_kwargs(method, kwargs))
-
-
-def accepted_kwargs(method: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``kwargs`` that ``method`` accepts by name (all of them when it takes ``**kwargs``, or when its
-    signature cannot be read, as for some builtins)."""
-    if not kwargs:
-        return kwargs
-    try:
-        parameters = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return kwargs
-    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {name: value for name, value in kwargs.items() if name in names}

@@ -1,5 +1,6 @@
-"""Every user setting becomes a plain value here, in one place: accelerator, devices, strategy, precision, and the
-settings ``fabriclite run`` hands to the script's ``Fabric()`` through environment variables.
+"""Every user setting becomes a plain value here, in one place: accelerator, devices, precision, and the settings
+``fabriclite run`` hands to the script's ``Fabric()`` through environment variables. The strategy names live beside
+their classes, in ``fabriclite.strategies`` (``parse_strategy``, ``select_strategy``).
 
 Each parser takes what a user (or a Lightning Fabric script) may pass and returns a canonical value or raises a
 ``ValueError`` naming the value, the valid choices and the closest match. This module imports nothing of
@@ -14,15 +15,6 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
-
-# Lightning's DDP names: how the processes start, and optionally DDP's find_unused_parameters as a suffix.
-_DDP_START_METHODS = {"ddp": "subprocess", "ddp_spawn": "spawn", "ddp_fork": "fork", "ddp_notebook": "fork"}
-_DDP_NAMES = {
-    f"{name}{suffix}": (start, unused)
-    for name, start in _DDP_START_METHODS.items()
-    for suffix, unused in (("", None), ("_find_unused_parameters_true", True), ("_find_unused_parameters_false", False))
-}
-STRATEGIES = ("auto", "single_device", "dp", *_DDP_NAMES, "fsdp", "fsdp_cpu_offload")
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -72,32 +64,10 @@ def parse_accelerator(accelerator: Any) -> str:
     return accelerator.lower()
 
 
-def strategy_settings(name: str) -> dict[str, Any]:
-    """The keyword arguments of ``DDPStrategy`` (for a DDP name) or ``FSDPStrategy`` (for an FSDP name) that a
-    strategy name stands for.
-
-    Usage: ``strategy_settings("ddp_notebook") == {"start_method": "fork"}``.
-    """
-    if name in _DDP_NAMES:
-        start_method, find_unused = _DDP_NAMES[name]
-        settings: dict[str, Any] = {"start_method": start_method}
-        if find_unused is not None:
-            settings["find_unused_parameters"] = find_unused
-        return settings
-    return {"cpu_offload": True} if name == "fsdp_cpu_offload" else {}
-
-
-def parse_strategy(strategy: Any) -> Any:
-    """Return the lower-case strategy name, or any other object unchanged (``select_strategy`` checks that it is a
-    ``Strategy``).
-
-    Usage: ``parse_strategy("FSDP") == "fsdp"``.
-    """
-    if not isinstance(strategy, str):
-        return strategy
-    if strategy.lower() in STRATEGIES:
-        return strategy.lower()
-    raise invalid_choice("strategy", strategy, STRATEGIES)
+def _strategy_spelling(strategy: Any) -> Any:
+    # The strategy names live with their classes (fabriclite.strategies.parse_strategy checks them); here, where
+    # Fabric's arguments meet `fabriclite run`'s, only the spelling matters: "FSDP" and "fsdp" are the same.
+    return strategy.lower() if isinstance(strategy, str) else strategy
 
 
 def parse_precision(precision: Any) -> str:
@@ -176,7 +146,7 @@ FABRIC_DEFAULTS: dict[str, Any] = {
 # The parser of each setting the CLI shares with Fabric.
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "accelerator": parse_accelerator,
-    "strategy": parse_strategy,
+    "strategy": _strategy_spelling,
     "devices": parse_devices,
     "num_nodes": parse_num_nodes,
     "precision": parse_precision,

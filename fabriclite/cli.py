@@ -130,6 +130,10 @@ def check_setting(key: str, value: Any) -> Any:
         raise ValueError(f"{key}={value!r} must be a string.")
     if key in _INT_SETTINGS and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{key}={value!r} must be an integer.")
+    if key == "strategy":  # the names live with the strategies
+        from fabriclite.strategies import parse_strategy
+
+        return parse_strategy(value)
     if key in choices.PARSERS:
         return choices.PARSERS[key](value)
     if key == "main_address" and not value.strip():

@@ -26,40 +26,13 @@ from torch.utils.data import (
 
 from fabriclite._collections import move_to_device
 from fabriclite._padding import set_padding
-from fabriclite.checkpoint import capture_rng_state, restore_rng_state
-from fabriclite.seed import worker_init_function
-
-
-def _loader_generators(loader: DataLoader) -> dict[str, torch.Generator]:
-    """The torch generators a loader's shuffling may draw from, by where they sit (shared ones named once)."""
-    found: dict[str, torch.Generator] = {}
-    seen: set[int] = set()
-    for where, owner in (
-        ("loader", loader),
-        ("sampler", getattr(loader, "sampler", None)),
-        ("batch_sampler", getattr(loader, "batch_sampler", None)),
-        ("batch_sampler.sampler", getattr(getattr(loader, "batch_sampler", None), "sampler", None)),
-    ):
-        generator = getattr(owner, "generator", None)
-        if isinstance(generator, torch.Generator) and id(generator) not in seen:
-            seen.add(id(generator))
-            found[where] = generator
-    return found
-
-
-def _capture_loader_rng(loader: DataLoader) -> dict[str, Any]:
-    return {
-        "global": capture_rng_state(),
-        "generators": {where: g.get_state() for where, g in _loader_generators(loader).items()},
-    }
-
-
-def _restore_loader_rng(loader: DataLoader, state: dict[str, Any]) -> None:
-    restore_rng_state(state["global"])
-    generators = _loader_generators(loader)
-    for where, value in state["generators"].items():
-        if where in generators:
-            generators[where].set_state(value)
+from fabriclite.seed import (
+    capture_loader_rng,
+    capture_rng_state,
+    restore_loader_rng,
+    restore_rng_state,
+    worker_init_function,
+)
 
 
 def _batch_rows(batch: Any) -> int | None:
@@ -201,7 +174,7 @@ class _FabricDataLoader:
         else:
             self._epochs_started += 1
             self._set_sampler_epoch()
-            self._epoch_rng = _capture_loader_rng(self._loader)
+            self._epoch_rng = capture_loader_rng(self._loader)
             batches = iter(self._iterated)
             skip = 0
         self._yielded = skip
@@ -252,7 +225,7 @@ class _FabricDataLoader:
         (without loading them), then give the global random state back as the checkpoint left it."""
         now = capture_rng_state()
         self._set_sampler_epoch()
-        _restore_loader_rng(self._loader, epoch_rng)
+        restore_loader_rng(self._loader, epoch_rng)
         self._epoch_rng = epoch_rng
         try:
             if isinstance(self._loader.dataset, IterableDataset):

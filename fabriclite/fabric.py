@@ -26,7 +26,7 @@ from fabriclite.kernels import kernels_usable
 from fabriclite.plugins import split_plugins
 from fabriclite.plugins.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
-from fabriclite.strategies import Strategy, select_strategy
+from fabriclite.strategies import Strategy, parse_strategy, select_strategy
 from fabriclite.wrappers import _FabricModule, _FabricOptimizer, wrap_model
 
 
@@ -68,7 +68,7 @@ class Fabric(LegacyAPI):
             accelerator, strategy, devices, num_nodes, precision
         )
         accelerator_name = choices.parse_accelerator(accelerator)
-        strategy_choice = choices.parse_strategy(strategy)
+        strategy_choice = parse_strategy(strategy)
         parsed_devices = choices.parse_devices(devices)
         nodes = choices.parse_num_nodes(num_nodes)
         precision_name = choices.parse_precision(precision)

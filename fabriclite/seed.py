@@ -1,4 +1,5 @@
-"""Seeding every global generator at once, and each DataLoader worker from it."""
+"""Seeding every global generator at once, and each DataLoader worker from it; capturing and restoring the global
+random streams, for checkpoints (every rank resumes drawing the same numbers) and a resumed loader's epoch."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import os
 import random
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 _MAX_SEED = 2**32 - 1
 
@@ -93,3 +96,80 @@ def worker_init_function(current: Callable[[int], None] | None, global_rank: int
     if current is not None or os.environ.get("PL_SEED_WORKERS") != "1":
         return current
     return functools.partial(pl_worker_init_function, rank=global_rank)  # a partial pickles into worker processes
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Return the state of Python's, NumPy's, torch's and (when initialized) CUDA's global generators.
+
+    Only tensors and plain Python values, so the result loads with ``torch.load(weights_only=True)``.
+    Usage: ``state = capture_rng_state(); ...; restore_rng_state(state)``.
+    """
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put the global generators back to a state from ``capture_rng_state``."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["key"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _loader_generators(loader: DataLoader) -> dict[str, torch.Generator]:
+    """The torch generators a loader's shuffling may draw from, by where they sit (shared ones named once)."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+    for where, owner in (
+        ("loader", loader),
+        ("sampler", getattr(loader, "sampler", None)),
+        ("batch_sampler", getattr(loader, "batch_sampler", None)),
+        ("batch_sampler.sampler", getattr(getattr(loader, "batch_sampler", None), "sampler", None)),
+    ):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and id(generator) not in seen:
+            seen.add(id(generator))
+            found[where] = generator
+    return found
+
+
+def capture_loader_rng(loader: DataLoader) -> dict[str, Any]:
+    """The global random streams and those of the generators a loader's shuffling draws from, which together decide
+    the order of its next epoch. Usage: ``state = capture_loader_rng(loader); ...; restore_loader_rng(loader, state)``."""
+    return {
+        "global": capture_rng_state(),
+        "generators": {where: g.get_state() for where, g in _loader_generators(loader).items()},
+    }
+
+
+def restore_loader_rng(loader: DataLoader, state: dict[str, Any]) -> None:
+    """Put back the global random streams and the loader's generators from ``capture_loader_rng``."""
+    restore_rng_state(state["global"])
+    generators = _loader_generators(loader)
+    for where, value in state["generators"].items():
+        if where in generators:
+            generators[where].set_state(value)

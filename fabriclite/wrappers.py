@@ -19,6 +19,7 @@ import torch
 from fabriclite.callbacks import call_hook
 from fabriclite.compile import CompileWatch
 from fabriclite.plugins.precision import Precision
+from fabriclite.strategies.strategy import Strategy
 
 # The LightningModule methods that run the model, routed through forward as Lightning Fabric does.
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -26,7 +27,7 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 def wrap_model(
     module: torch.nn.Module,
-    strategy: Any,
+    strategy: Strategy,
     precision: Precision,
     kernels: bool,
     compile_kwargs: dict[str, Any] | None,

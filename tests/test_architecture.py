@@ -1,7 +1,9 @@
-"""The shape of the package, checked from its source: the layers only point down (no import cycle, imports inside
-functions counted), no module grows past 500 lines, and ``Fabric.launch`` asks its launcher, not its type."""
+"""The shape of the package, checked from its source: the layers only point down (no import cycle, no import up
+the layer table of docs/architecture.md, imports inside functions counted), each strategy name is written once, no
+module grows past 500 lines, and ``Fabric.launch`` asks its launcher, not its type."""
 
 import ast
+import shutil
 import sys
 
 from helpers import ROOT
@@ -33,6 +35,49 @@ def test_imports_inside_functions_and_relative_imports_count(tmp_path, monkeypat
     edges = import_graph.graph()
     assert edges["pkg.low"] == {"pkg.high"} and edges["pkg.high"] == {"pkg.low"}
     assert import_graph.cycles(edges) == [["pkg.high", "pkg.low"]]
+
+
+def test_no_import_runs_up_the_layer_table_and_every_module_has_a_row():
+    table = import_graph.layers(import_graph.ARCHITECTURE.read_text())
+    assert ["choices.py"] == table[0] and "strategies/" in table[-4]  # the table was read: lowest row first
+    assert import_graph.upward_imports(import_graph.graph(), table) == []
+
+
+def test_an_import_planted_up_the_table_is_caught_and_so_is_a_module_in_no_row(tmp_path, monkeypatch):
+    copy = tmp_path / "fabriclite"
+    shutil.copytree(ROOT / "fabriclite", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "checkpoint" / "files.py", "a") as f:  # checkpoints (row 6) reaching up to the facade
+        f.write("\n\ndef _planted():\n    from fabriclite.fabric import Fabric\n")
+    (copy / "newcomer.py").write_text("")
+    monkeypatch.setattr(import_graph, "PACKAGES", {"fabriclite": copy})
+    table = import_graph.layers(import_graph.ARCHITECTURE.read_text())
+    problems = import_graph.upward_imports(import_graph.graph(), table)
+    assert problems == [
+        "fabriclite.newcomer is in no row of the layer table",
+        f"fabriclite.checkpoint.files (row {len(table) - 5}) imports fabriclite.fabric (row {len(table) - 1}), a higher layer",
+    ]
+
+
+def test_each_strategy_name_has_one_home_and_one_entry_in_its_table():
+    from fabriclite.strategies import STRATEGY_NAMES
+
+    home = ROOT / "fabriclite" / "strategies" / "__init__.py"
+    names = set(STRATEGY_NAMES) - {"auto"}  # "auto" is also an accelerator and a devices value
+    names |= {"ddp", "ddp_spawn", "ddp_fork", "ddp_notebook"}  # the pieces the DDP names are made of
+    written_in = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "fabriclite").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in names
+    }
+    assert written_in == {str(home.relative_to(ROOT))}
+    table = next(
+        node.value
+        for node in ast.parse(home.read_text()).body
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "STRATEGY_NAMES"
+    )
+    keys = [key.value for key in table.keys if isinstance(key, ast.Constant)]  # a repeated key would silently win
+    assert len(keys) > 3 and len(keys) == len(set(keys))
 
 
 def test_no_module_is_longer_than_500_lines():

@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from fabriclite import Fabric
-from fabriclite.choices import parse_strategy
+from fabriclite.strategies import parse_strategy
 
 NAMES = [
     ("", "Fabric"),

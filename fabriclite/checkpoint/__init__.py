@@ -12,16 +12,14 @@ Both formats load into any number of processes, with or without FSDP; both carry
 from __future__ import annotations
 
 import os
-import random
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import numpy as np
 import torch
 
 from fabriclite._collections import map_with_path
-from fabriclite.callbacks import accepted_kwargs
+from fabriclite._signatures import accepted_kwargs
 from fabriclite.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -44,6 +42,7 @@ from fabriclite.checkpoint.files import (
     safe_load,
 )
 from fabriclite.checkpoint.sharded import LiveState, load_sharded, save_sharded, slice_like
+from fabriclite.seed import capture_rng_state, restore_rng_state
 
 __all__ = [
     "META_KEY",
@@ -63,48 +62,6 @@ __all__ = [
 
 # Where fabric.save keeps what it adds to the user's state: random streams, the loss scaler.
 META_KEY = "__fabriclite__"
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Return the state of Python's, NumPy's, torch's and (when initialized) CUDA's global generators.
-
-    Only tensors and plain Python values, so the result loads with ``torch.load(weights_only=True)``.
-    Usage: ``state = capture_rng_state(); ...; restore_rng_state(state)``.
-    """
-    kind, key, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "kind": kind,
-            "key": torch.from_numpy(key.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Put the global generators back to a state from ``capture_rng_state``."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np_state = state["numpy"]
-    np.random.set_state(
-        (
-            np_state["kind"],
-            np_state["key"].numpy().astype(np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
-        )
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---------------------------------------------------------------------- state <-> checkpoint

@@ -12,6 +12,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager
 
 import torch
+import torch.distributed as dist
 
 from fabriclite._collections import apply_to_collection
 
@@ -77,6 +78,30 @@ class _HalfGradScaler(_FabricGradScaler):
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
+def _rank_agreeing_scaler(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
+    """The same scaler (same state) whose ``unscale_`` takes the max of found-inf over all ranks, so an overflow in
+    one rank's shard makes every rank skip the step and back off the scale together."""
+    if isinstance(scaler, _RankAgreeing):
+        return scaler
+    cls = type(f"RankAgreeing{type(scaler).__name__}", (_RankAgreeing, type(scaler)), {})
+    agreeing = cls.__new__(cls)
+    agreeing.__dict__.update(scaler.__dict__)
+    return agreeing
+
+
+class _RankAgreeing:
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)  # type: ignore[misc]
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # type: ignore[attr-defined]
+        if not found or not dist.is_initialized():
+            return
+        # One all-reduce per step, on a tensor every rank has (recent torch reduces DTensor found-infs itself too).
+        any_inf = torch.stack([f.to(self._scale.device) for f in found.values()]).amax()  # type: ignore[attr-defined]
+        dist.all_reduce(any_inf, op=dist.ReduceOp.MAX)
+        for value in found.values():
+            value.copy_(any_inf)
+
+
 class Precision:
     """Full fp32 ("32-true"): every hook does nothing. The base of the others.
 
@@ -124,6 +149,13 @@ class Precision:
 
     def place(self, device: torch.device) -> None:
         """Learn the device the Fabric runs on (needed by the precisions that build a loss scaler)."""
+
+    def agree_across_ranks(self) -> None:
+        """Make every rank skip or take each step together. Under sharding each rank finds inf/NaN in its own
+        gradient shards only, so the loss scaler (if any) becomes the same scaler, same state, deciding on the max
+        over all ranks. Sharding strategies call this once the processes run. Usage: ``precision.agree_across_ranks()``."""
+        if self.scaler is not None:
+            self.scaler = _rank_agreeing_scaler(self.scaler)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the precision: the loss scaler's state, if there is one."""

@@ -2,40 +2,33 @@
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from contextlib import nullcontext
-from datetime import timedelta
 from typing import Any, ContextManager
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fabriclite.checkpoint import CheckpointIO
-from fabriclite.plugins.environments import ClusterEnvironment
 from fabriclite.strategies.parallel import ParallelStrategy
+
+# ParallelStrategy's arguments, written once there; DDPStrategy passes the rest to DistributedDataParallel.
+_PARALLEL_ARGUMENTS = tuple(inspect.signature(ParallelStrategy.__init__).parameters)[1:]
 
 
 class DDPStrategy(ParallelStrategy):
     """``torch.nn.parallel.DistributedDataParallel`` on gloo (CPU) or nccl (CUDA).
 
-    Extra keyword arguments go to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``).
+    Takes ``ParallelStrategy``'s arguments (``process_group_backend``, ``timeout``, ``start_method``,
+    ``checkpoint_io``, ``stall_timeout``, ``cluster_environment``, in that order or by name); every other keyword
+    argument goes to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``).
     Usage: ``Fabric(devices=2, strategy=DDPStrategy(timeout=timedelta(minutes=5)))``.
     """
 
-    def __init__(
-        self,
-        process_group_backend: str | None = None,
-        timeout: timedelta = timedelta(minutes=30),
-        start_method: str = "subprocess",
-        checkpoint_io: CheckpointIO | None = None,
-        stall_timeout: float | None = 60.0,
-        cluster_environment: ClusterEnvironment | None = None,
-        **ddp_kwargs: Any,
-    ) -> None:
-        super().__init__(
-            process_group_backend, timeout, start_method, checkpoint_io, stall_timeout, cluster_environment
-        )
-        self.ddp_kwargs = ddp_kwargs
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        own = {name: kwargs.pop(name) for name in _PARALLEL_ARGUMENTS if name in kwargs}
+        super().__init__(*args, **own)
+        self.ddp_kwargs = kwargs
 
     def _process_state(self) -> dict[str, Any]:
         return {**super()._process_state(), "_wrapped": weakref.WeakSet()}  # every DDP module made here

@@ -17,17 +17,18 @@ Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one
   init code draws in, buffers computed in ``__init__`` included.
 - Checkpoints: ``state_dict_type`` picks the format in ``fabriclite.checkpoint``: "sharded", a folder every rank
   writes its shards into, or "full", one file from rank 0 in the form a one-process checkpoint has.
+
+The mesh is built in ``mesh.py``; what FSDP shares with ``ModelParallelStrategy`` (choosing the units, the empty
+init, skipping gradient sync) is in ``sharding.py``; the loss scaler that agrees across ranks is the precision's.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections import Counter
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Union
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -38,62 +39,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fabriclite import checkpoint
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.plugins.environments import ClusterEnvironment
+from fabriclite.strategies.mesh import sharding_choice, sharding_mesh
 from fabriclite.strategies.parallel import ParallelStrategy
+from fabriclite.strategies.sharding import (
+    ModulePolicy,
+    has_meta,
+    module_policy,
+    named_tensors,
+    no_gradient_sync,
+    rank_zero_init,
+    repeated_blocks,  # also importable from here, where it lived first
+)
 
-# A set of layer classes, or a function telling whether a module is one unit.
-ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bool], None]
 STATE_DICT_TYPES = ("sharded", "full")
-
-
-# FSDP1's sharding strategies as FSDP2 expresses them: (reshard_after_forward, mesh). "flat": shard over every
-# rank; "hybrid": a 2-D mesh (replicate, shard), sharded within a group and replicated across groups (HSDP);
-# "replicate": (world, 1), whole parameters everywhere, gradients all-reduced, as DDP.
-SHARDING_STRATEGIES = {
-    "FULL_SHARD": (True, "flat"),
-    "SHARD_GRAD_OP": (False, "flat"),
-    "HYBRID_SHARD": (True, "hybrid"),
-    "_HYBRID_SHARD_ZERO2": (False, "hybrid"),
-    "NO_SHARD": (False, "replicate"),
-}
-
-
-def _sharding(sharding_strategy: Any, reshard_after_forward: bool, device_mesh: Any) -> tuple[bool, str]:
-    if sharding_strategy is None:
-        name = "HYBRID_SHARD" if device_mesh is not None else "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
-    else:
-        name = getattr(sharding_strategy, "name", sharding_strategy)  # ShardingStrategy.FULL_SHARD -> "FULL_SHARD"
-    if name not in SHARDING_STRATEGIES:
-        raise ValueError(
-            f"sharding_strategy={sharding_strategy!r} is not supported. Valid: {', '.join(map(repr, SHARDING_STRATEGIES))}."
-        )
-    if sharding_strategy is not None and name in ("FULL_SHARD", "HYBRID_SHARD") and reshard_after_forward is False:
-        raise ValueError(
-            f"sharding_strategy={name!r} reshards after forward, but reshard_after_forward=False was also given; "
-            "pass one of them ('SHARD_GRAD_OP' and '_HYBRID_SHARD_ZERO2' keep the parameters until backward)."
-        )
-    resharding, mesh = SHARDING_STRATEGIES[name]
-    if device_mesh is not None and mesh != "hybrid":
-        raise ValueError(
-            f"device_mesh={device_mesh!r} is for hybrid sharding; with sharding_strategy={name!r} leave it out, or "
-            "pass sharding_strategy='HYBRID_SHARD'."
-        )
-    if device_mesh is not None and not _is_device_mesh(device_mesh):
-        if not (
-            isinstance(device_mesh, tuple)
-            and len(device_mesh) == 2
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in device_mesh)
-        ):
-            raise ValueError(
-                f"device_mesh={device_mesh!r} must be (replicate, shard): two ints >= 1 whose product is the world "
-                "size, e.g. (2, 8) for 2 nodes of 8 GPUs; or a 2-D torch DeviceMesh."
-            )
-    return resharding, mesh
-
-
-def _is_device_mesh(obj: Any) -> bool:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return isinstance(obj, DeviceMesh)
 
 
 class FSDPStrategy(ParallelStrategy):
@@ -135,7 +93,7 @@ class FSDPStrategy(ParallelStrategy):
         super().__init__(
             process_group_backend, timeout, start_method, checkpoint_io, stall_timeout, cluster_environment
         )
-        reshard_after_forward, self.mesh_kind = _sharding(sharding_strategy, reshard_after_forward, device_mesh)
+        reshard_after_forward, self.mesh_kind = sharding_choice(sharding_strategy, reshard_after_forward, device_mesh)
         self._mesh_request = device_mesh  # the shape or mesh asked for; self.mesh is the mesh built
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported. Valid choices: 'sharded', 'full'.")
@@ -144,8 +102,8 @@ class FSDPStrategy(ParallelStrategy):
                 f"mixed_precision={mixed_precision!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy, or None "
                 "to follow the Fabric precision."
             )
-        self.wrap_policy = _module_policy(auto_wrap_policy, "auto_wrap_policy")
-        self.checkpoint_policy = _module_policy(activation_checkpointing_policy, "activation_checkpointing_policy")
+        self.wrap_policy = module_policy(auto_wrap_policy, "auto_wrap_policy")
+        self.checkpoint_policy = module_policy(activation_checkpointing_policy, "activation_checkpointing_policy")
         self.mixed_precision = mixed_precision
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = reshard_after_forward
@@ -175,35 +133,16 @@ class FSDPStrategy(ParallelStrategy):
         super().setup_environment()
         if self.mesh is not None:
             return
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if self.mesh_kind == "flat":
-            self.mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        elif _is_device_mesh(self._mesh_request):
-            self.mesh = self._mesh_request
-            if self.mesh.ndim != 2 or self.mesh.size() != self.world_size:
-                raise ValueError(
-                    f"device_mesh={self.mesh} must be 2-D (replicate, shard) and span all {self.world_size} processes."
-                )
-        else:
-            shape = self._mesh_request or (
-                (self.world_size, 1) if self.mesh_kind == "replicate" else (self.num_nodes, self.local_processes)
-            )
-            if shape[0] * shape[1] != self.world_size:
-                raise ValueError(
-                    f"device_mesh={shape} holds {shape[0] * shape[1]} processes, but the world size is "
-                    f"{self.world_size}: (replicate, shard) must multiply to it."
-                )
-            self.mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
-        if self.precision is not None and self.precision.scaler is not None:
-            self.precision.scaler = _rank_agreeing_scaler(self.precision.scaler)
+        self.mesh = sharding_mesh(self.mesh_kind, self._mesh_request, self)
+        if self.precision is not None:
+            self.precision.agree_across_ranks()
 
     # ------------------------------------------------------------------ building and sharding
     def module_init_context(self, empty_init: bool | None = None) -> ContextManager:
         """With ``empty_init``, rank 0 builds the model on the CPU and the other ranks on the meta device (no memory);
         ``setup_module`` then gives every rank its slice of rank 0's weights, which therefore equal a model built on
         the CPU with the same seed, whatever its init code does."""
-        return _rank_zero_init(self) if empty_init else nullcontext()
+        return rank_zero_init(self) if empty_init else nullcontext()
 
     def module_to_device(self, module: nn.Module) -> None:
         """Nothing to do here: ``fully_shard`` moves each shard to the device (or keeps it on the CPU with offload),
@@ -219,7 +158,7 @@ class FSDPStrategy(ParallelStrategy):
             raise ValueError(
                 f"{type(module).__name__} already contains fully_shard modules; pass fabric.setup the plain model."
             )
-        rank_zero_meta = self.broadcast(self.is_global_zero and _has_meta(module))
+        rank_zero_meta = self.broadcast(self.is_global_zero and has_meta(module))
         if rank_zero_meta:
             raise ValueError(
                 "The model on rank 0 has parameters or buffers on the meta device, so there are no weights to shard. "
@@ -229,13 +168,13 @@ class FSDPStrategy(ParallelStrategy):
         # Rank 0's full weights, taken before sharding replaces the parameters (aliases: fully_shard may move the
         # parameters' data to the device, these stay where the model was built).
         source = (
-            {name: t.detach() for name, t in _named_tensors(module).items()}
+            {name: t.detach() for name, t in named_tensors(module).items()}
             if self.is_global_zero and self.world_size > 1
             else {}
         )
         old_params = [(name, weakref.ref(p)) for name, p in module.named_parameters()]
         module = self._shard(module)
-        if _has_meta(module):
+        if has_meta(module):
             module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
         if self.world_size > 1:
             self._copy_from_rank_zero(module, source)
@@ -294,7 +233,7 @@ class FSDPStrategy(ParallelStrategy):
         # Rank 0 scatters each parameter's slices and broadcasts each buffer: one full tensor in flight at a time.
         # A DTensor on a 2-D mesh, or on a sub-mesh without global rank 0 (tensor parallel x FSDP: the FSDP-only
         # layers of the other tensor-parallel ranks), gets the whole tensor by broadcast and keeps its own slice.
-        for name, tensor in _named_tensors(module).items():
+        for name, tensor in named_tensors(module).items():
             if isinstance(tensor, DTensor):
                 full = source[name] if self.is_global_zero else torch.empty(tensor.shape, dtype=tensor.dtype)
                 mesh = tensor.device_mesh
@@ -344,7 +283,7 @@ class FSDPStrategy(ParallelStrategy):
             raise TypeError(
                 f"no_backward_sync under FSDP expects the model returned by fabric.setup, got {type(module).__name__}."
             )
-        return _no_gradient_sync(module)
+        return no_gradient_sync(module)
 
     def clip_by_total_norm(
         self, module: nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool
@@ -373,123 +312,3 @@ class FSDPStrategy(ParallelStrategy):
 
     def __repr__(self) -> str:
         return f"FSDPStrategy(device={self.root_device}, state_dict_type={self.state_dict_type!r})"
-
-
-# ---------------------------------------------------------------------- choosing the units
-def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The blocks that repeat: children of an ``nn.ModuleList``/``nn.Sequential`` whose class (with parameters)
-    appears there more than once, outermost only (a block's own layers are not searched).
-
-    Usage: ``repeated_blocks(vit)`` -> the transformer blocks.
-    """
-    blocks: list[nn.Module] = []
-
-    def visit(parent: nn.Module) -> None:
-        repeated: set[type] = set()
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            counts = Counter(type(c) for c in parent.children() if next(c.parameters(), None) is not None)
-            repeated = {cls for cls, n in counts.items() if n > 1}
-        for child in parent.children():
-            if type(child) in repeated:
-                blocks.append(child)
-            else:
-                visit(child)
-
-    visit(module)
-    return blocks
-
-
-def _module_policy(policy: ModulePolicy, what: str) -> Callable[[nn.Module], bool] | None:
-    if policy is None:
-        return None
-    if isinstance(policy, type):
-        policy = {policy}
-    if isinstance(policy, (set, frozenset, list, tuple)):
-        classes = tuple(policy)
-        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            raise TypeError(f"{what}={policy!r} must hold nn.Module subclasses, e.g. {{TransformerBlock}}.")
-        return functools.partial(_instance_of, classes)  # picklable, for ddp_spawn's new processes
-    if callable(policy):
-        return policy
-    raise TypeError(f"{what}={policy!r} must be a set of nn.Module classes or a function (module) -> bool.")
-
-
-def _instance_of(classes: tuple[type, ...], module: nn.Module) -> bool:
-    return isinstance(module, classes)
-
-
-def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
-
-
-def _has_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in _named_tensors(module).values())
-
-
-# ---------------------------------------------------------------------- empty init
-class _ForceDevice(torch.overrides.TorchFunctionMode):
-    """Creates every tensor on ``device``, overriding Fabric's ``torch.device`` context entered inside this one."""
-
-    def __init__(self, device: str) -> None:
-        super().__init__()
-        from torch.utils._device import _device_constructors
-
-        self.device = torch.device(device)
-        self.constructors = _device_constructors()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.constructors:
-            kwargs["device"] = self.device
-        return func(*args, **kwargs)
-
-
-@contextmanager
-def _rank_zero_init(strategy: FSDPStrategy) -> Iterator[None]:
-    if strategy.world_size > 1 and not dist.is_initialized():
-        raise RuntimeError(
-            "fabric.init_module(empty_init=True) under FSDP needs the processes running: call fabric.launch() first."
-        )
-    rng_before = torch.get_rng_state()
-    with _ForceDevice("cpu" if strategy.is_global_zero else "meta"):
-        yield
-    if strategy.world_size > 1:
-        # Only rank 0 drew its init from the random stream. Ranks that started from the same state continue from
-        # where rank 0 ended, exactly as after an ordinary init on every rank.
-        zero_before, zero_after = strategy.broadcast((rng_before, torch.get_rng_state()))
-        if torch.equal(rng_before, zero_before):
-            torch.set_rng_state(zero_after)
-
-
-# ---------------------------------------------------------------------- the step: gradient sync and loss scaling
-@contextmanager
-def _no_gradient_sync(module: FSDPModule) -> Iterator[None]:
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
-
-
-def _rank_agreeing_scaler(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
-    """The same scaler (same state) whose ``unscale_`` takes the max of found-inf over all ranks, so an overflow in
-    one rank's shard makes every rank skip the step and back off the scale together."""
-    if isinstance(scaler, _RankAgreeing):
-        return scaler
-    cls = type(f"RankAgreeing{type(scaler).__name__}", (_RankAgreeing, type(scaler)), {})
-    agreeing = cls.__new__(cls)
-    agreeing.__dict__.update(scaler.__dict__)
-    return agreeing
-
-
-class _RankAgreeing:
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        super().unscale_(optimizer)  # type: ignore[misc]
-        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # type: ignore[attr-defined]
-        if not found or not dist.is_initialized():
-            return
-        # One all-reduce per step, on a tensor every rank has (recent torch reduces DTensor found-infs itself too).
-        any_inf = torch.stack([f.to(self._scale.device) for f in found.values()]).amax()  # type: ignore[attr-defined]
-        dist.all_reduce(any_inf, op=dist.ReduceOp.MAX)
-        for value in found.values():
-            value.copy_(any_inf)

@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from fabriclite import collectives
 from fabriclite.plugins.environments import ClusterEnvironment
-from fabriclite.strategies.fsdp import FSDPStrategy, _has_meta, _no_gradient_sync, _rank_agreeing_scaler
-
-MESH_DIMS = ("data_parallel", "tensor_parallel")
+from fabriclite.strategies.fsdp import FSDPStrategy
+from fabriclite.strategies.mesh import MESH_DIMS, model_parallel_mesh
+from fabriclite.strategies.sharding import has_meta, no_gradient_sync
 
 
 class ModelParallelStrategy(FSDPStrategy):
@@ -77,19 +77,10 @@ class ModelParallelStrategy(FSDPStrategy):
         super(FSDPStrategy, self).setup_environment()  # the process group; FSDP's 1-D mesh is not wanted here
         if self.mesh is not None:
             return
-        from torch.distributed.device_mesh import init_device_mesh
-
-        dp = self.num_nodes if self.data_parallel_size == "auto" else self.data_parallel_size
-        tp = self.local_processes if self.tensor_parallel_size == "auto" else self.tensor_parallel_size
-        if dp * tp != self.world_size:
-            raise ValueError(
-                f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp}, but the world size is "
-                f"{self.world_size} (devices * num_nodes). Choose sizes whose product is {self.world_size}."
-            )
-        self.mesh = init_device_mesh(self.root_device.type, (dp, tp), mesh_dim_names=MESH_DIMS)
+        self.mesh = model_parallel_mesh(self.data_parallel_size, self.tensor_parallel_size, self)
         collectives.set_metric_group(self.mesh["data_parallel"].get_group())
-        if self.precision is not None and self.precision.scaler is not None:
-            self.precision.scaler = _rank_agreeing_scaler(self.precision.scaler)
+        if self.precision is not None:
+            self.precision.agree_across_ranks()
 
     def teardown(self) -> None:
         collectives.set_metric_group(None)
@@ -101,7 +92,7 @@ class ModelParallelStrategy(FSDPStrategy):
         return dp_mesh.size(), dp_mesh.get_local_rank()
 
     def _shard(self, module: nn.Module) -> nn.Module:
-        if self.world_size > 1 and any(self.all_gather_object(_has_meta(module))):
+        if self.world_size > 1 and any(self.all_gather_object(has_meta(module))):
             # An empty init: the other ranks hold meta tensors, so rank 0's real ones would make parallelize_fn's
             # distribute_tensor calls communicate on rank 0 alone. Rank 0's weights are kept aside by setup_module
             # and copied into every rank's slices afterwards.
@@ -134,7 +125,7 @@ class ModelParallelStrategy(FSDPStrategy):
         stack = ExitStack()
         if enabled:
             for unit in [m for m in module.modules() if isinstance(m, FSDPModule)]:
-                stack.enter_context(_no_gradient_sync(unit))
+                stack.enter_context(no_gradient_sync(unit))
         return stack
 
     def clip_by_total_norm(

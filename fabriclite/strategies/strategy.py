@@ -15,7 +15,7 @@ from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO, TorchCheckpointIO
 from fabriclite.launcher import InProcessLauncher
 from fabriclite.plugins.precision import Precision
-from fabriclite.utilities.rank_zero import rank_zero_only
+from fabriclite.rank_zero import rank_zero_only
 
 
 class Strategy:

@@ -1,72 +1,15 @@
-"""Run or log on rank 0 only, at Lightning Fabric's import path ``lightning.fabric.utilities.rank_zero``.
+"""Run or log on rank 0 only, at Lightning Fabric's import path ``lightning.fabric.utilities.rank_zero`` (the code is
+``fabriclite.rank_zero``).
 
-``rank_zero_only.rank`` is read from the launch variables when this module is imported, and Fabric sets it to the
-process's global rank once the processes run (a forked or spawned process imported it before knowing its rank).
-
-Usage::
-
-    @rank_zero_only
-    def save_samples(images): ...
-    rank_zero_info("epoch %d done", epoch)
+Usage: ``from fabriclite.utilities.rank_zero import rank_zero_only, rank_zero_info``.
 """
 
-from __future__ import annotations
+from fabriclite.rank_zero import (
+    rank_zero_debug,
+    rank_zero_deprecation,
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_warn,
+)
 
-import functools
-import logging
-import os
-import warnings
-from typing import Any, Callable, TypeVar
-
-T = TypeVar("T")
-log = logging.getLogger("fabriclite")
-
-
-def _rank_from_environment() -> int:
-    # SLURM_PROCID can be set without SLURM starting the processes, so the launchers' own variables come first.
-    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
-        value = os.environ.get(name)
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"Environment variable {name}={value!r} must be an integer.") from None
-    return 0
-
-
-def rank_zero_only(fn: Callable[..., T]) -> Callable[..., T | None]:
-    """Decorate ``fn`` so that it runs on global rank 0 and returns None elsewhere; ``rank_zero_only.rank`` is the
-    rank it compares against. Usage: ``@rank_zero_only`` above a function."""
-
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> T | None:
-        return fn(*args, **kwargs) if rank_zero_only.rank == 0 else None
-
-    return wrapped
-
-
-rank_zero_only.rank = _rank_from_environment()  # type: ignore[attr-defined]
-
-
-@rank_zero_only
-def rank_zero_debug(*args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
-    """``logging.debug`` on rank 0. Usage: ``rank_zero_debug("batch %d", i)``."""
-    log.debug(*args, stacklevel=stacklevel, **kwargs)
-
-
-@rank_zero_only
-def rank_zero_info(*args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
-    """``logging.info`` on rank 0. Usage: ``rank_zero_info("epoch %d done", epoch)``."""
-    log.info(*args, stacklevel=stacklevel, **kwargs)
-
-
-@rank_zero_only
-def rank_zero_warn(message: str | Warning, stacklevel: int = 4, **kwargs: Any) -> None:
-    """``warnings.warn`` on rank 0 (``category=`` as there). Usage: ``rank_zero_warn("no validation set")``."""
-    warnings.warn(message, stacklevel=stacklevel, **kwargs)
-
-
-def rank_zero_deprecation(message: str | Warning, stacklevel: int = 5, **kwargs: Any) -> None:
-    """A ``DeprecationWarning`` on rank 0. Usage: ``rank_zero_deprecation("`old` is deprecated, use `new`")``."""
-    kwargs.setdefault("category", DeprecationWarning)
-    rank_zero_warn(message, stacklevel=stacklevel, **kwargs)
+__all__ = ["rank_zero_debug", "rank_zero_deprecation", "rank_zero_info", "rank_zero_only", "rank_zero_warn"]

@@ -4,8 +4,9 @@ import logging
 
 import pytest
 
+from fabriclite.rank_zero import _rank_from_environment
 from fabriclite.utilities import rank_zero_only
-from fabriclite.utilities.rank_zero import _rank_from_environment, rank_zero_deprecation, rank_zero_info, rank_zero_warn
+from fabriclite.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_warn
 
 
 @pytest.fixture
