@@ -101,9 +101,17 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Programs per multiprocessor in a backward that sums weight gradients: one program walks its rows one after the
+# other, so a multiprocessor running a single one waits on every load; several overlap one's loads with another's
+# arithmetic. Each adds an fp32 row of partial sums (programs x n_cols in all, small beside the activations).
+PROGRAMS_PER_MULTIPROCESSOR = 4
+
+
 def reduction_programs(device: torch.device, n_rows: int) -> int:
-    """How many programs share the rows of a backward that also sums weight gradients: one per multiprocessor on a
-    GPU (each keeps an fp32 partial sum of its rows), a few in the interpreter where programs run one by one."""
+    """How many programs share the rows of a backward that also sums weight gradients (each keeps an fp32 partial
+    sum of its rows): a few per multiprocessor on a GPU, a few in all in the interpreter where programs run one by
+    one."""
     if device.type == "cuda":
-        return max(1, min(n_rows, _multiprocessors(device.index if device.index is not None else 0)))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return max(1, min(n_rows, PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(index)))
     return max(1, min(n_rows, 4))

@@ -88,13 +88,13 @@ def kernel_cases() -> dict[str, KernelCase]:
             lambda s, d: {"x": _leaf(*s, device=d, scale=2.0), "weight": _leaf(s[1], device=d)},
             lambda x, weight: kernels.rms_norm(x, weight, eps),
             lambda x, weight: F.rms_norm(x, x.shape[-1:], weight, eps),
-            ("_rms_norm_forward_kernel", "_rms_norm_backward_kernel"),
+            ("_norm_forward_kernel", "_norm_backward_kernel"),
         ),
         "add_rms_norm": KernelCase(
             lambda s, d: {"x": _leaf(*s, device=d), "residual": _leaf(*s, device=d), "weight": _leaf(s[1], device=d)},
             lambda x, residual, weight: kernels.add_rms_norm(x, residual, weight, eps),
             lambda x, residual, weight: (F.rms_norm(x + residual, x.shape[-1:], weight, eps), x + residual),
-            ("_rms_norm_forward_kernel", "_rms_norm_backward_kernel"),
+            ("_norm_forward_kernel", "_norm_backward_kernel"),
         ),
         "layer_norm": KernelCase(
             lambda s, d: {
@@ -104,7 +104,7 @@ def kernel_cases() -> dict[str, KernelCase]:
             },
             lambda x, weight, bias: kernels.layer_norm(x, x.shape[-1:], weight, bias),
             lambda x, weight, bias: F.layer_norm(x, x.shape[-1:], weight, bias),
-            ("_layer_norm_forward_kernel", "_layer_norm_backward_kernel"),
+            ("_norm_forward_kernel", "_norm_backward_kernel"),
         ),
         # (B, T, H, D) queries, keys with a quarter of the heads (grouped-query attention), Llama's tables.
         "rope": KernelCase(
@@ -270,7 +270,7 @@ def check_compile(device: torch.device, kernels: bool, compile: Any = True) -> d
     report = compiled["report"]
     assert report is not None, "compile_report() is empty: the model was not compiled"
     assert (report["graphs"], report["graph_breaks"], report["recompiles"]) == (1, 0, 0), report
-    layer_norm = {"_layer_norm_forward_kernel", "_layer_norm_backward_kernel"}
+    layer_norm = {"_norm_forward_kernel", "_norm_backward_kernel"}
     if kernels:
         assert layer_norm <= compiled["launched"], f"the fused LayerNorm did not run: {compiled['launched']}"
     else:

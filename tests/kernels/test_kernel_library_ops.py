@@ -28,16 +28,16 @@ def _cases() -> list:
         ("cross_entropy", (_plain(3, 7), target, -100, 0.0, "sum", False)),
         ("cross_entropy_scale_", (_plain(3, 7), _plain(3))),
         ("cross_entropy_backward", (_plain(3, 7), _plain(3))),
-        ("layer_norm", (_leaf(2, 3, 7), [7], _leaf(7), _leaf(7), 1e-5)),
-        ("layer_norm", (_leaf(3, 7), [7], None, None, 1e-5)),
-        ("add_layer_norm", (_leaf(3, 7), _leaf(3, 7), _leaf(7), _leaf(7), 1e-5)),
-        ("add_layer_norm", (_leaf(3, 7), _leaf(3, 7), None, None, 1e-5)),
-        ("layer_norm_backward", (_plain(3, 7), _plain(3, 7), _plain(3, 7), [7], _plain(7), True, ones, rows)),
-        ("layer_norm_backward", (_plain(3, 7), None, _plain(3, 7), [7], None, False, ones, rows)),
-        ("rms_norm", (_leaf(2, 3, 7), [7], _leaf(7), 1e-6)),
-        ("rms_norm", (_leaf(3, 7), [7], None, 1e-6)),
-        ("rms_norm_backward", (_plain(3, 7), _plain(3, 7), _plain(3, 7), [7], _plain(7), rows)),
-        ("rms_norm_backward", (_plain(3, 7), None, _plain(3, 7), [7], None, rows)),
+        # fabriclite::norm(x, residual, weight, bias, n_cols, eps, rms): layer norm, RMS norm, with a residual
+        ("norm", (_leaf(2, 3, 7), None, _leaf(7), _leaf(7), 7, 1e-5, False)),
+        ("norm", (_leaf(3, 7), None, None, None, 7, 1e-5, False)),
+        ("norm", (_leaf(3, 7), _leaf(3, 7), _leaf(7), _leaf(7), 7, 1e-5, False)),
+        ("norm", (_leaf(3, 7), _leaf(3, 7), None, None, 7, 1e-5, False)),
+        ("norm", (_leaf(2, 3, 7), None, _leaf(7), None, 7, 1e-6, True)),
+        ("norm", (_leaf(2, 3, 7), _leaf(2, 3, 7), _leaf(7), None, 7, 1e-6, True)),
+        ("norm_backward", (_plain(3, 7), _plain(3, 7), _plain(3, 7), 7, _plain(7), True, ones, rows, False)),
+        ("norm_backward", (_plain(3, 7), None, _plain(3, 7), 7, None, False, ones, rows, False)),
+        ("norm_backward", (_plain(3, 7), None, _plain(3, 7), 7, _plain(7), False, ones[:0], rows, True)),
         ("bias_gelu", (_leaf(2, 3, 7), _leaf(7), "none")),
         ("bias_gelu", (_leaf(3, 7), _leaf(7), "tanh")),
         ("bias_gelu_backward", (_plain(3, 7), _plain(3, 7), _plain(7), "tanh")),
@@ -51,11 +51,11 @@ def _case_id(case) -> str:
 
 
 def _kernel(op: str) -> str:
-    """The Triton kernel an op launches: fabriclite::add_layer_norm -> _layer_norm_forward_kernel, and so on."""
+    """The Triton kernel an op launches: fabriclite::norm -> _norm_forward_kernel, and so on."""
     if op == "cross_entropy_scale_":  # the in-place backward: the backward kernel, scaling the saved gradient
         op = "cross_entropy_backward"
     direction = "backward" if op.endswith("_backward") else "forward"
-    return f"_{op.removeprefix('add_').removesuffix('_backward')}_{direction}_kernel"
+    return f"_{op.removesuffix('_backward')}_{direction}_kernel"
 
 
 @pytest.mark.parametrize("case", _cases(), ids=_case_id)
@@ -88,7 +88,7 @@ def test_torch_compile_traces_all_ops_into_one_graph_with_their_backward(backend
     compiled = torch.compile(_step, backend=backend, fullgraph=True)  # a graph break raises here
     kernels = [
         f"_{op}_{direction}_kernel"
-        for op in ("layer_norm", "bias_gelu", "rms_norm", "cross_entropy")
+        for op in ("norm", "bias_gelu", "cross_entropy")
         for direction in ("forward", "backward")
     ]
     with launched(*kernels):
