@@ -74,6 +74,28 @@ def contiguous_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def rows_and_strides(t: torch.Tensor, n_cols: int, unit_col_stride: bool = False) -> tuple[torch.Tensor, int, int]:
+    """``t`` seen as rows of ``n_cols``: (tensor, row stride, column stride), ``t`` itself when it is contiguous (a
+    view would cost a dispatch per call); ``unit_col_stride`` copies rows whose elements are not adjacent.
+
+    Usage: ``dy, dy_row_stride, dy_col_stride = rows_and_strides(dy, n_cols)``.
+    """
+    if t.is_contiguous():
+        return t, n_cols, 1
+    rows = contiguous_rows(t, n_cols) if unit_col_stride else as_rows(t, n_cols)
+    return rows, rows.stride(0), rows.stride(1)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatch when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host (``triton.cdiv`` is a jit function: microseconds per call outside a kernel)."""
+    return -(-a // b)
+
+
 def row_block(n_cols: int) -> int:
     """The block that holds one whole row, and an error naming the limit when it cannot."""
     block = triton.next_power_of_2(n_cols)

@@ -1,11 +1,11 @@
 """The one implementation behind layer norm and RMS norm, alone or fused with the residual add in front of them
 (``fused_layer_norm.py`` and ``fused_rms_norm.py`` hold only their public functions and modules).
 
-Forward: one row per program, the whole row in one block; the statistics are computed in fp32 and saved (rstd, and
-for layer norm the mean: one fp32 each per row) for the backward. RMS norm is layer norm without the centring, so one
-kernel serves both (``RMS``, a compile-time switch). With a residual the kernel also writes ``x + residual``, the
-residual stream a pre-norm transformer carries on, and normalizes that sum as stored: it leaves the registers once,
-instead of an add kernel writing it and a norm kernel reading it back.
+Forward: one row per program, the whole row in one block; the statistics are computed in fp32 and saved for the
+backward in one fp32 tensor ``stats``: every row's rstd, then (layer norm only) every row's mean. RMS norm is layer
+norm without the centring, so one kernel serves both (``RMS``, a compile-time switch). With a residual the kernel
+also writes ``x + residual``, the residual stream a pre-norm transformer carries on, and normalizes that sum as
+stored: it leaves the registers once, instead of an add kernel writing it and a norm kernel reading it back.
 
 Backward: each program walks a contiguous range of rows, writes their input gradient and keeps fp32 partial sums
 of the weight (and bias) gradient in registers; a second reduction (torch's ``sum`` over the programs) adds up the
@@ -14,8 +14,9 @@ residual-add form's backward adds the gradient arriving at the sum output to the
 the gradient of both ``x`` and ``residual``.
 
 Two ways in, one computation: eager calls go through ``_NormFunction`` (a ``torch.autograd.Function`` launching
-the kernels directly: a few microseconds of Python per call), traced code (``torch.compile``) through the
-``fabriclite::norm`` custom op and its backward op, which the compiler can place in its graph.
+the kernels directly, without the custom op's Python dispatch, which cost hundreds of microseconds a call on an
+H100), traced code (``torch.compile``) through the ``fabriclite::norm`` custom op and its backward op, which the
+compiler can place in its graph.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import as_rows, contiguous_rows, launch, num_warps, reduction_programs, row_block
+from fabriclite.kernels._common import cast, cdiv, launch, num_warps, reduction_programs, row_block, rows_and_strides
 
 
 @triton.jit
@@ -40,8 +41,7 @@ def _norm_forward_kernel(
     y_ptr,
     weight_ptr,
     bias_ptr,
-    mean_ptr,
-    rstd_ptr,
+    stats_ptr,
     n_cols,
     eps,
     RMS: tl.constexpr,
@@ -65,7 +65,7 @@ def _norm_forward_kernel(
     else:
         mean = tl.sum(x, axis=0) / n_cols
         centered = tl.where(mask, x - mean, 0.0)
-        tl.store(mean_ptr + row, mean)
+        tl.store(stats_ptr + tl.num_programs(0) + row, mean)
     rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
     y = centered * rstd
     if HAS_WEIGHT:
@@ -73,7 +73,7 @@ def _norm_forward_kernel(
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    tl.store(stats_ptr + row, rstd)
 
 
 @triton.jit
@@ -88,8 +88,7 @@ def _norm_backward_kernel(
     x_ptr,
     x_row_stride,
     weight_ptr,
-    mean_ptr,
-    rstd_ptr,
+    stats_ptr,
     dweight_partial_ptr,
     dbias_partial_ptr,
     n_rows,
@@ -117,11 +116,11 @@ def _norm_backward_kernel(
         # dy may be an expanded gradient (strides 0), hence both strides.
         dy = tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
+        rstd = tl.load(stats_ptr + row)
         if RMS:
             x_hat = x * rstd
         else:
-            x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+            x_hat = tl.where(mask, (x - tl.load(stats_ptr + n_rows + row)) * rstd, 0.0)
         if HAS_WEIGHT:
             w_dy = dy * weight
         else:
@@ -162,20 +161,20 @@ def _forward(
     eps: float,
     rms: bool,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Returns (y, x + residual or None, mean, rstd): y and the sum shaped like x, mean and rstd one fp32 per row
-    (mean empty for RMS norm)."""
+    """Returns (y, x + residual or None, stats): y and the sum shaped like x, stats the rows' rstd then (layer norm)
+    their means."""
     block, warps = _launch_sizes(n_cols)
-    x_rows = contiguous_rows(x, n_cols)
-    n_rows = x_rows.shape[0]
+    n_rows = x.numel() // n_cols
+    x_rows, x_stride, _ = rows_and_strides(x, n_cols, unit_col_stride=True)
     if residual is not None:
-        residual_rows = contiguous_rows(residual, n_cols)
+        residual_rows, residual_stride, _ = rows_and_strides(residual, n_cols, unit_col_stride=True)
         summed = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-        y = torch.empty(x.shape, dtype=summed.dtype, device=x.device)
+        y = torch.empty_like(summed)
     else:
-        residual_rows, summed = x_rows, None
+        residual_rows, residual_stride, summed = x_rows, x_stride, None
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    mean = rstd.new_empty(0 if rms else n_rows)
+    # The per-row rstd, then (layer norm) the per-row mean, in one allocation.
+    stats = torch.empty((1 if rms else 2) * n_rows, dtype=torch.float32, device=x.device)
     # Parameters are contiguous in practice; .contiguous() would still cost a dispatch per call.
     if weight is not None and not weight.is_contiguous():
         weight = weight.contiguous()
@@ -186,15 +185,14 @@ def _forward(
             _norm_forward_kernel,
             (n_rows,),
             x_rows,
-            x_rows.stride(0),
+            x_stride,
             residual_rows,
-            residual_rows.stride(0),
+            residual_stride,
             y if summed is None else summed,
             y,
             x_rows if weight is None else weight,
             x_rows if bias is None else bias,
-            rstd if rms else mean,
-            rstd,
+            stats,
             n_cols,
             eps,
             RMS=rms,
@@ -204,7 +202,7 @@ def _forward(
             BLOCK=block,
             num_warps=warps,
         )
-    return y, summed, mean, rstd
+    return y, summed, stats
 
 
 def _backward(
@@ -214,17 +212,20 @@ def _backward(
     n_cols: int,
     weight: Optional[torch.Tensor],
     has_bias: bool,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
+    stats: torch.Tensor,
     rms: bool,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Returns (dx, dweight, dbias): dx shaped like x and including ``dsum``; dweight in the weight's dtype and
     shape, dbias (fp32, shaped like the weight or the rows) None when there is no weight or no bias."""
     block, warps = _launch_sizes(n_cols)
-    x_rows = contiguous_rows(x, n_cols)
-    n_rows = x_rows.shape[0]
-    dy_rows = as_rows(dy, n_cols)
-    dsum_rows = as_rows(dsum, n_cols) if dsum is not None else dy_rows
+    n_rows = x.numel() // n_cols
+    x_rows, x_stride, _ = rows_and_strides(x, n_cols, unit_col_stride=True)
+    # dy may be an expanded gradient (strides 0), hence both strides.
+    dy_rows, dy_row_stride, dy_col_stride = rows_and_strides(dy, n_cols)
+    if dsum is not None:
+        dsum_rows, dsum_row_stride, dsum_col_stride = rows_and_strides(dsum, n_cols)
+    else:
+        dsum_rows, dsum_row_stride, dsum_col_stride = dy_rows, dy_row_stride, dy_col_stride
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if weight is not None and not weight.is_contiguous():
         weight = weight.contiguous()
@@ -238,21 +239,20 @@ def _backward(
             (programs,),
             dx,
             dy_rows,
-            dy_rows.stride(0),
-            dy_rows.stride(1),
+            dy_row_stride,
+            dy_col_stride,
             dsum_rows,
-            dsum_rows.stride(0),
-            dsum_rows.stride(1),
+            dsum_row_stride,
+            dsum_col_stride,
             x_rows,
-            x_rows.stride(0),
+            x_stride,
             x_rows if weight is None else weight,
-            rstd if rms else mean,
-            rstd,
+            stats,
             partials,
             partials[n_partials - 1] if n_partials else partials,
             n_rows,
             n_cols,
-            triton.cdiv(n_rows, programs),
+            cdiv(n_rows, programs),
             RMS=rms,
             HAS_DSUM=dsum is not None,
             HAS_WEIGHT=weight is not None,
@@ -263,7 +263,11 @@ def _backward(
     if not n_partials:
         return dx, None, None
     sums = partials.sum(1)  # the second reduction, in fp32
-    dweight = sums[0].to(weight.dtype).view(weight.shape) if weight is not None else None
+    dweight = None
+    if weight is not None:
+        dweight = cast(sums[0], weight.dtype)
+        if weight.dim() != 1:
+            dweight = dweight.view(weight.shape)
     dbias = sums[n_partials - 1] if has_bias else None
     return dx, dweight, dbias
 
@@ -273,10 +277,12 @@ def _input_grads(
 ) -> tuple[Optional[torch.Tensor], ...]:
     """(dx, dresidual, dweight, dbias) in the dtypes of x, residual (None without one) and bias."""
     x_dtype, residual_dtype, bias_dtype, bias_shape = dtypes
-    dresidual = None if residual_dtype is None else dx.to(residual_dtype)
+    dresidual = None if residual_dtype is None else cast(dx, residual_dtype)
     if dbias is not None:
-        dbias = dbias.to(bias_dtype).view(bias_shape)
-    return dx.to(x_dtype), dresidual, dweight, dbias
+        dbias = cast(dbias, bias_dtype)
+        if len(bias_shape) != 1:
+            dbias = dbias.view(bias_shape)
+    return cast(dx, x_dtype), dresidual, dweight, dbias
 
 
 def _dtypes(x: torch.Tensor, residual: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> tuple:
@@ -295,8 +301,8 @@ class _NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, n_cols, eps, rms):
-        y, summed, mean, rstd = _forward(x, residual, n_cols, weight, bias, eps, rms)
-        ctx.save_for_backward(x if summed is None else summed, weight, mean, rstd)
+        y, summed, stats = _forward(x, residual, n_cols, weight, bias, eps, rms)
+        ctx.save_for_backward(x if summed is None else summed, weight, stats)
         ctx.config = (n_cols, rms, _dtypes(x, residual, bias))
         ctx.set_materialize_grads(False)  # no zeros for an output nobody used (the last layer's sum)
         if summed is None:
@@ -306,12 +312,12 @@ class _NormFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, dsum=None):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, stats = ctx.saved_tensors
         n_cols, rms, dtypes = ctx.config
         has_bias = dtypes[2] is not None
         if dy is None:  # only the sum x + residual was used
             dy = torch.zeros_like(x)
-        dx, dweight, dbias = _backward(dy, dsum, x, n_cols, weight, has_bias, mean, rstd, rms)
+        dx, dweight, dbias = _backward(dy, dsum, x, n_cols, weight, has_bias, stats, rms)
         dx, dresidual, dweight, dbias = _input_grads(dx, dweight, dbias, dtypes)
         return dx, dresidual, dweight, dbias, None, None, None
 
@@ -326,11 +332,11 @@ def _norm_op(
     n_cols: int,
     eps: float,
     rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (y, x + residual (empty without a residual), mean (empty for RMS norm), rstd), the statistics one
-    fp32 per row."""
-    y, summed, mean, rstd = _forward(x, residual, n_cols, weight, bias, eps, rms)
-    return y, summed if summed is not None else x.new_empty(0), mean, rstd
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, x + residual (empty without a residual), stats): stats holds the rows' rstd, then for layer norm
+    their means, in fp32."""
+    y, summed, stats = _forward(x, residual, n_cols, weight, bias, eps, rms)
+    return y, summed if summed is not None else x.new_empty(0), stats
 
 
 @_norm_op.register_fake
@@ -339,7 +345,7 @@ def _(x, residual, weight, bias, n_cols, eps, rms):
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = x.new_empty(x.shape, dtype=dtype)
     summed = torch.empty_like(y) if residual is not None else x.new_empty(0)
-    return y, summed, x.new_empty(0 if rms else n_rows, dtype=torch.float32), x.new_empty(n_rows, dtype=torch.float32)
+    return y, summed, x.new_empty((1 if rms else 2) * n_rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("fabriclite::norm_backward", mutates_args=())
@@ -350,12 +356,11 @@ def _norm_backward_op(
     n_cols: int,
     weight: Optional[torch.Tensor],
     has_bias: bool,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
+    stats: torch.Tensor,
     rms: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dweight, dbias) where dx includes ``dsum``; dweight or dbias (fp32, flat) is empty when absent."""
-    dx, dweight, dbias = _backward(dy, dsum, x, n_cols, weight, has_bias, mean, rstd, rms)
+    dx, dweight, dbias = _backward(dy, dsum, x, n_cols, weight, has_bias, stats, rms)
     empty = x.new_empty(0, dtype=torch.float32)
     # Outputs of a custom op may not share memory: both gradients are rows of one sum.
     dweight = dweight.clone() if dweight is not None else empty
@@ -363,7 +368,7 @@ def _norm_backward_op(
 
 
 @_norm_backward_op.register_fake
-def _(dy, dsum, x, n_cols, weight, has_bias, mean, rstd, rms):
+def _(dy, dsum, x, n_cols, weight, has_bias, stats, rms):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dweight = torch.empty_like(weight) if weight is not None else x.new_empty(0, dtype=torch.float32)
     dbias = x.new_empty(n_cols if has_bias else 0, dtype=torch.float32)
@@ -372,21 +377,21 @@ def _(dy, dsum, x, n_cols, weight, has_bias, mean, rstd, rms):
 
 def _setup_context(ctx, inputs, output) -> None:
     x, residual, weight, bias, n_cols, _, rms = inputs
-    _, summed, mean, rstd = output
-    ctx.save_for_backward(x if residual is None else summed, weight, mean, rstd)
+    _, summed, stats = output
+    ctx.save_for_backward(x if residual is None else summed, weight, stats)
     ctx.config = (n_cols, rms, _dtypes(x, residual, bias))
-    ctx.mark_non_differentiable(mean, rstd)
+    ctx.mark_non_differentiable(stats)
     if residual is None:
         ctx.mark_non_differentiable(summed)
 
 
-def _backward_formula(ctx, dy, dsum, _dmean, _drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
+def _backward_formula(ctx, dy, dsum, _dstats):
+    x, weight, stats = ctx.saved_tensors
     n_cols, rms, dtypes = ctx.config
     has_bias = dtypes[2] is not None
     if dtypes[1] is None:
         dsum = None  # the empty placeholder output
-    dx, dweight, dbias = torch.ops.fabriclite.norm_backward(dy, dsum, x, n_cols, weight, has_bias, mean, rstd, rms)
+    dx, dweight, dbias = torch.ops.fabriclite.norm_backward(dy, dsum, x, n_cols, weight, has_bias, stats, rms)
     dx, dresidual, dweight, dbias = _input_grads(
         dx, dweight if weight is not None else None, dbias if has_bias else None, dtypes
     )
@@ -411,6 +416,6 @@ def norm(
     Usage: ``y = norm(x, None, weight, bias, 768, 1e-5, rms=False)``.
     """
     if torch.compiler.is_compiling():
-        y, summed, _, _ = torch.ops.fabriclite.norm(x, residual, weight, bias, n_cols, eps, rms)
+        y, summed, _ = torch.ops.fabriclite.norm(x, residual, weight, bias, n_cols, eps, rms)
         return y if residual is None else (y, summed)
     return _NormFunction.apply(x, residual, weight, bias, n_cols, eps, rms)

@@ -21,7 +21,7 @@ def _cases() -> list:
     torch.manual_seed(0)
     target = torch.tensor([0, 6, -100], device=DEVICE)
     rows = torch.tensor([0.5, 1.0, 2.0], device=DEVICE)
-    ones = torch.ones(3, device=DEVICE)
+    stats = torch.cat([rows, torch.zeros(3, device=DEVICE)])
     return [
         ("cross_entropy", (_leaf(3, 7), target, -100, 0.1, "mean", True)),
         ("cross_entropy", (_leaf(3, 7), target, -100, 0.0, "none", True)),
@@ -35,9 +35,10 @@ def _cases() -> list:
         ("norm", (_leaf(3, 7), _leaf(3, 7), None, None, 7, 1e-5, False)),
         ("norm", (_leaf(2, 3, 7), None, _leaf(7), None, 7, 1e-6, True)),
         ("norm", (_leaf(2, 3, 7), _leaf(2, 3, 7), _leaf(7), None, 7, 1e-6, True)),
-        ("norm_backward", (_plain(3, 7), _plain(3, 7), _plain(3, 7), 7, _plain(7), True, ones, rows, False)),
-        ("norm_backward", (_plain(3, 7), None, _plain(3, 7), 7, None, False, ones, rows, False)),
-        ("norm_backward", (_plain(3, 7), None, _plain(3, 7), 7, _plain(7), False, ones[:0], rows, True)),
+        # stats: the rows' rstd, then (layer norm) their means
+        ("norm_backward", (_plain(3, 7), _plain(3, 7), _plain(3, 7), 7, _plain(7), True, stats, False)),
+        ("norm_backward", (_plain(3, 7), None, _plain(3, 7), 7, None, False, stats, False)),
+        ("norm_backward", (_plain(3, 7), None, _plain(3, 7), 7, _plain(7), False, rows, True)),
         ("bias_gelu", (_leaf(2, 3, 7), _leaf(7), "none")),
         ("bias_gelu", (_leaf(3, 7), _leaf(7), "tanh")),
         ("bias_gelu_backward", (_plain(3, 7), _plain(3, 7), _plain(7), "tanh")),
