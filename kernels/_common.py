@@ -119,6 +119,18 @@ def num_warps(block: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def tile_blocks(n_cols: int, tile: int, block_n_max: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of an elementwise kernel over (rows, n_cols) tiles of about ``tile`` elements,
+    worked out once per width.
+
+    Usage: ``block_m, block_n, warps = tile_blocks(n_cols, TILE, BLOCK_N_MAX)``.
+    """
+    block_n = min(triton.next_power_of_2(n_cols), block_n_max)
+    block_m = max(1, tile // block_n)
+    return block_m, block_n, num_warps(block_m * block_n)
+
+
+@functools.lru_cache(maxsize=None)
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
