@@ -22,12 +22,14 @@ def _cases() -> list:
     target = torch.tensor([0, 6, -100], device=DEVICE)
     rows = torch.tensor([0.5, 1.0, 2.0], device=DEVICE)
     stats = torch.cat([rows, torch.zeros(3, device=DEVICE)])
+    ce_stats = torch.cat([rows, rows + 1])
     return [
-        ("cross_entropy", (_leaf(3, 7), target, -100, 0.1, "mean", True)),
-        ("cross_entropy", (_leaf(3, 7), target, -100, 0.0, "none", True)),
-        ("cross_entropy", (_plain(3, 7), target, -100, 0.0, "sum", False)),
-        ("cross_entropy_scale_", (_plain(3, 7), _plain(3))),
-        ("cross_entropy_backward", (_plain(3, 7), _plain(3))),
+        ("cross_entropy", (_leaf(3, 7), target, -100, 0.1, "mean")),
+        ("cross_entropy", (_leaf(3, 7), target, -100, 0.0, "none")),
+        ("cross_entropy", (_plain(3, 7), target, -100, 0.0, "sum")),
+        # (grad_loss, logits, target, stats: the rows' max then sum of exp, n_valid, ignore_index, label_smoothing)
+        ("cross_entropy_backward", (_plain(3), _plain(3, 7), target, ce_stats, _plain(0), -100, 0.1)),
+        ("cross_entropy_backward", (_plain(3)[0], _plain(3, 7), target, ce_stats, target.new_tensor(2), -100, 0.0)),
         # fabriclite::norm(x, residual, weight, bias, n_cols, eps, rms): layer norm, RMS norm, with a residual
         ("norm", (_leaf(2, 3, 7), None, _leaf(7), _leaf(7), 7, 1e-5, False)),
         ("norm", (_leaf(3, 7), None, None, None, 7, 1e-5, False)),
@@ -53,8 +55,6 @@ def _case_id(case) -> str:
 
 def _kernel(op: str) -> str:
     """The Triton kernel an op launches: fabriclite::norm -> _norm_forward_kernel, and so on."""
-    if op == "cross_entropy_scale_":  # the in-place backward: the backward kernel, scaling the saved gradient
-        op = "cross_entropy_backward"
     direction = "backward" if op.endswith("_backward") else "forward"
     return f"_{op.removesuffix('_backward')}_{direction}_kernel"
 
