@@ -244,6 +244,7 @@ def train_compiled(device: torch.device, kernels: bool, compile: Any, steps: int
     from fabriclite.kernels import _common
 
     seed_everything(0, verbose=False)
+    torch._dynamo.reset()  # each run compiles afresh: its report counts its own graphs, not a cache hit
     fabric = Fabric(accelerator=accelerator(device), precision="bf16-mixed", compile=compile, kernels=kernels)
     model = nn.Sequential(Block(), Block(), nn.LayerNorm(64), nn.Linear(64, 10))
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -264,17 +265,14 @@ def train_compiled(device: torch.device, kernels: bool, compile: Any, steps: int
 
 def check_compile(device: torch.device, kernels: bool, compile: Any = True) -> dict[str, Any]:
     """compile=... trains like eager (losses within bf16 noise), in one graph with no break and no recompile; with
-    kernels=True the fused LayerNorm's Triton kernels run inside the compiled graph."""
+    kernels=True too, where the norms stay torch's (inductor fuses them; see kernels/swap.py's rule)."""
     eager = train_compiled(device, kernels, compile=False)
     compiled = train_compiled(device, kernels, compile)
     report = compiled["report"]
     assert report is not None, "compile_report() is empty: the model was not compiled"
     assert (report["graphs"], report["graph_breaks"], report["recompiles"]) == (1, 0, 0), report
     layer_norm = {"_norm_forward_kernel", "_norm_backward_kernel"}
-    if kernels:
-        assert layer_norm <= compiled["launched"], f"the fused LayerNorm did not run: {compiled['launched']}"
-    else:
-        assert not compiled["launched"] & layer_norm, compiled["launched"]
+    assert not compiled["launched"] & layer_norm, f"a norm kernel ran under compile: {compiled['launched']}"
     torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=3e-2, atol=3e-2)
     return compiled
 

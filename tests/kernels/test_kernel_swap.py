@@ -5,7 +5,8 @@ import torch
 from kernel_checks import DEVICE, assert_matches, launched
 from torch import nn
 
-from fabriclite.kernels import LayerNorm, RMSNorm, kernels_available, swap_modules
+from fabriclite.kernels import LayerNorm, RMSNorm, kernels_available, swap, swap_modules
+from fabriclite.kernels.swap import ops_to_swap
 
 
 class _CustomNorm(nn.LayerNorm):
@@ -108,3 +109,34 @@ def test_kernels_are_available_on_cpu_only_under_the_interpreter(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
 def test_kernels_are_not_available_on_cuda_without_a_gpu():
     assert not kernels_available("cuda")
+
+
+def test_swap_modules_replaces_only_the_kinds_named_and_refuses_unknown_ones():
+    model = _model()
+    assert swap_modules(model, ["rms_norm"]) == 1
+    assert type(model.norm_mid) is RMSNorm and type(model.norm_in) is nn.LayerNorm
+    with pytest.raises(ValueError, match=r"\['groupnorm'\].*'layer_norm', 'rms_norm'"):
+        swap_modules(model, ["groupnorm"])
+
+
+def test_the_rule_swaps_nothing_under_compile_and_on_cuda_only_measured_wins(monkeypatch):
+    assert ops_to_swap("cpu", compiled=False) == ("layer_norm", "rms_norm")  # the interpreter: for tests
+    assert ops_to_swap("cpu", compiled=True) == ()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert ops_to_swap("cuda:0", compiled=False) == ()  # no GPU measurement has shown a win yet
+    monkeypatch.setattr(swap, "MEASURED_WINS", frozenset({("rms_norm", "NVIDIA H100 80GB HBM3")}))
+    assert ops_to_swap("cuda:0", compiled=False) == ("rms_norm",)
+    assert ops_to_swap("cuda:0", compiled=True) == ()
+
+
+def test_fabric_with_kernels_swaps_by_the_rule_and_says_when_it_swaps_nothing(monkeypatch):
+    from fabriclite import Fabric
+
+    fabric = Fabric(accelerator="cpu", kernels=True)  # the CPU: Triton's interpreter (this folder's conftest)
+    model = fabric.setup(_model())
+    assert type(model.module.norm_in) is LayerNorm and type(model.module.norm_mid) is RMSNorm
+
+    monkeypatch.setattr(swap, "ops_to_swap", lambda device, compiled: ())
+    with pytest.warns(UserWarning, match=r"kernels=True\) leaves the model's norms to torch on cpu"):
+        model = fabric.setup(_model())
+    assert type(model.module.norm_in) is nn.LayerNorm
