@@ -132,11 +132,13 @@ def test_the_rule_swaps_nothing_under_compile_and_on_cuda_only_measured_wins(mon
 def test_fabric_with_kernels_swaps_by_the_rule_and_says_when_it_swaps_nothing(monkeypatch):
     from fabriclite import Fabric
 
-    fabric = Fabric(accelerator="cpu", kernels=True)  # the CPU: Triton's interpreter (this folder's conftest)
+    fabric = Fabric(accelerator=DEVICE.type, devices=1, kernels=True)
+    assert ops_to_swap(DEVICE, compiled=False) == (() if DEVICE.type == "cuda" else ("layer_norm", "rms_norm"))
+    monkeypatch.setattr(swap, "ops_to_swap", lambda device, compiled: ("layer_norm",))
     model = fabric.setup(_model())
-    assert type(model.module.norm_in) is LayerNorm and type(model.module.norm_mid) is RMSNorm
+    assert type(model.module.norm_in) is LayerNorm and type(model.module.norm_mid) is nn.RMSNorm
 
     monkeypatch.setattr(swap, "ops_to_swap", lambda device, compiled: ())
-    with pytest.warns(UserWarning, match=r"kernels=True\) leaves the model's norms to torch on cpu"):
+    with pytest.warns(UserWarning, match=r"kernels=True\) leaves the model's norms to torch on"):
         model = fabric.setup(_model())
     assert type(model.module.norm_in) is nn.LayerNorm
