@@ -12,7 +12,14 @@ move more than that minimum (cross-entropy's forward also writes the gradient) s
 Results go to a CSV (one row per op, size, mode and implementation, each written as soon as it is measured, with
 the device, torch and triton versions) and a markdown table on stdout. ``--quick`` keeps the LLM sizes only.
 
-Usage: ``python benchmarks/kernels.py [--ops layer_norm cross_entropy] [--quick] [--csv kernels.csv]``.
+``--host-cost`` measures instead the Python cost of one forward+backward call at a tiny shape (16x768), where a
+GPU finishes the work long before the host has launched it: fabriclite's path with every Triton launch replaced by a
+no-op, next to the torch op's (dispatch and all). Without a GPU it runs on the CPU in fp32, as a proxy: there the
+torch op also computes (a few microseconds at this size; bf16 would be slower on a CPU) and Triton's launcher (tens
+of microseconds per launch on a GPU) is left out, so the figure that decides is the wall time per call on a GPU.
+
+Usage: ``python benchmarks/kernels.py [--ops layer_norm cross_entropy] [--quick] [--csv kernels.csv]``, or
+``python benchmarks/kernels.py --host-cost [--ops layer_norm]``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import gc
 import importlib
 import math
 import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -276,8 +285,12 @@ def norm_cases(rows_list: tuple[int, ...], widths: tuple[int, ...] = NORM_WIDTHS
                         "fabriclite": kernels.swiglu,
                         "torch": swiglu_eager,
                         "torch.compile": _compiled(swiglu_eager),
-                        # Liger writes its gradients into the saved a and b.
-                        **({"liger": liger_swiglu.apply} if liger_swiglu is not None else {}),
+                        # Liger writes its gradients into the saved a and b; its apply() takes positions only.
+                        **(
+                            {"liger": lambda a, b, _f=liger_swiglu: _f.apply(a, b)}
+                            if liger_swiglu is not None
+                            else {}
+                        ),
                     },
                     # forward: a, b in, y out; backward: dy, a, b in, da, db out.
                     {"forward": 6 * hidden_elements, "backward": 10 * hidden_elements, "both": 16 * hidden_elements},
@@ -452,6 +465,135 @@ def markdown(rows: list[dict[str, Any]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- host cost
+HOST_COST_SHAPE = (16, 768)
+
+
+@contextmanager
+def _launches_skipped():
+    """Every fabriclite kernel launch replaced by a no-op: what is left is the op's Python path."""
+    from fabriclite.kernels import _common
+
+    patched = [module for name, module in list(sys.modules.items()) if name.startswith("fabriclite.kernels.")]
+    patched = [module for module in patched if getattr(module, "launch", None) is _common.launch]
+    for module in patched:
+        module.launch = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.launch = _common.launch
+
+
+def host_cost_cases(device: torch.device) -> dict[str, tuple[Callable[[], Inputs], dict[str, Callable[..., Any]]]]:
+    """op -> (make the inputs at HOST_COST_SHAPE, {"fabriclite": fn, "torch": fn}); each fn(**inputs) -> a tensor."""
+    from fabriclite import kernels
+
+    rows, width = HOST_COST_SHAPE
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    def norm_inputs() -> Inputs:
+        return {"x": leaf(rows, width), "weight": leaf(width), "bias": leaf(width)}
+
+    def add_inputs() -> Inputs:
+        return {"x": leaf(rows, width), "residual": leaf(rows, width), "weight": leaf(width)}
+
+    def ce_inputs() -> Inputs:
+        return {"logits": leaf(rows, width), "target": torch.randint(0, width, (rows,), device=device)}
+
+    return {
+        "layer_norm": (
+            norm_inputs,
+            {
+                "fabriclite": lambda x, weight, bias: kernels.layer_norm(x, (width,), weight, bias),
+                "torch": lambda x, weight, bias: F.layer_norm(x, (width,), weight, bias),
+            },
+        ),
+        "rms_norm": (
+            norm_inputs,
+            {
+                "fabriclite": lambda x, weight, bias: kernels.rms_norm(x, weight, 1e-6),
+                "torch": lambda x, weight, bias: F.rms_norm(x, (width,), weight, 1e-6),
+            },
+        ),
+        "add_rms_norm": (
+            add_inputs,
+            {
+                "fabriclite": lambda x, residual, weight: kernels.add_rms_norm(x, residual, weight, 1e-6)[0],
+                "torch": lambda x, residual, weight: F.rms_norm(x + residual, (width,), weight, 1e-6),
+            },
+        ),
+        "swiglu": (
+            lambda: {"a": leaf(rows, width), "b": leaf(rows, width)},
+            {"fabriclite": kernels.swiglu, "torch": lambda a, b: F.silu(a) * b},
+        ),
+        "cross_entropy": (
+            ce_inputs,
+            {"fabriclite": kernels.cross_entropy, "torch": lambda logits, target: F.cross_entropy(logits, target)},
+        ),
+    }
+
+
+def host_cost_us(make_inputs: Callable[[], Inputs], fn: Callable[..., Any], calls: int = 200, repeats: int = 7) -> float:
+    """Microseconds of one forward+backward call (the gradients reset each call, as a training step does): the
+    fastest of ``repeats`` runs of ``calls`` calls, since other work on the machine only ever adds time."""
+    inputs = make_inputs()
+    leaves = [t for t in inputs.values() if t.requires_grad]
+    grad = None
+
+    def call() -> None:
+        nonlocal grad
+        out = fn(**inputs)
+        if grad is None:
+            grad = torch.ones_like(out)
+        out.backward(grad)
+        for leaf in leaves:
+            leaf.grad = None
+
+    for _ in range(20):
+        call()
+    cuda = leaves[0].is_cuda
+    # On a GPU the wall time (what the step waits for); on a CPU this thread's CPU time, which the other processes
+    # of a shared machine do not inflate the way they inflate wall time.
+    clock = time.perf_counter if cuda else time.thread_time
+    per_call = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = clock()
+        for _ in range(calls):
+            call()
+        if cuda:
+            torch.cuda.synchronize()
+        per_call.append((clock() - start) / calls * 1e6)
+    return min(per_call)
+
+
+def host_cost_main(ops: list[str] | None) -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(1)  # a CPU proxy on one thread: other threads' scheduling is noise here
+    rows, width = HOST_COST_SHAPE
+    print(f"## host cost of one forward+backward call at {rows}x{width}, microseconds")
+    print("")
+    print(*describe(), sep="\n")
+    print(f"- {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'no GPU: the CPU proxy, fp32'}), "
+          f"torch {torch.__version__}; fabriclite with its Triton launches skipped, torch's op as it is")  # fmt: skip
+    print("")
+    print("| op | fabriclite (no launch) | torch | difference |")
+    print("|---|---|---|---|")
+    for op, (make_inputs, implementations) in host_cost_cases(device).items():
+        if ops is not None and op not in ops:
+            continue
+        with _launches_skipped():
+            ours = host_cost_us(make_inputs, implementations["fabriclite"])
+        theirs = host_cost_us(make_inputs, implementations["torch"])
+        print(f"| {op} | {ours:.0f} | {theirs:.0f} | {ours - theirs:+.0f} |", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -472,7 +614,14 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="the LLM sizes only: a few minutes on one GPU")
     parser.add_argument("--csv", default="kernels.csv", help="where to write the results (default: kernels.csv)")
+    parser.add_argument(
+        "--host-cost",
+        action="store_true",
+        help="the Python cost per call at 16x768 with the launches skipped, against torch's op (runs on a CPU too)",
+    )
     args = parser.parse_args()
+    if args.host_cost:
+        return host_cost_main(args.ops)
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU: the kernels run on CUDA (Triton's interpreter on a CPU is for tests, not timing).")

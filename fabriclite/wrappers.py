@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -49,9 +50,23 @@ def wrap_model(
     )
     original = module._orig_mod if user_compiled else module
     if kernels:  # before DDP/FSDP wrap anything, so they shard the fused modules
-        from fabriclite.kernels import swap_modules
+        from fabriclite.kernels.swap import ops_to_swap, swap_modules
 
-        swap_modules(original)
+        compiled = compile_kwargs is not None or user_compiled
+        ops = ops_to_swap(strategy.root_device, compiled)
+        if ops:
+            swap_modules(original, ops)
+        else:
+            reason = (
+                "under compile=True, where inductor fuses torch's norms better than an opaque custom op"
+                if compiled
+                else f"on {strategy.root_device}, where no kernel has a measured win yet (kernels.swap.MEASURED_WINS)"
+            )
+            warnings.warn(
+                f"Fabric(kernels=True) leaves the model's norms to torch {reason}; see docs/compile.md.",
+                UserWarning,
+                stacklevel=4,  # the fabric.setup line
+            )
     precision.convert_module(original)
     if device is not None:
         strategy.module_to_device(original)

@@ -74,6 +74,28 @@ def contiguous_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def rows_and_strides(t: torch.Tensor, n_cols: int, unit_col_stride: bool = False) -> tuple[torch.Tensor, int, int]:
+    """``t`` seen as rows of ``n_cols``: (tensor, row stride, column stride), ``t`` itself when it is contiguous (a
+    view would cost a dispatch per call); ``unit_col_stride`` copies rows whose elements are not adjacent.
+
+    Usage: ``dy, dy_row_stride, dy_col_stride = rows_and_strides(dy, n_cols)``.
+    """
+    if t.is_contiguous():
+        return t, n_cols, 1
+    rows = contiguous_rows(t, n_cols) if unit_col_stride else as_rows(t, n_cols)
+    return rows, rows.stride(0), rows.stride(1)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatch when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host (``triton.cdiv`` is a jit function: microseconds per call outside a kernel)."""
+    return -(-a // b)
+
+
 def row_block(n_cols: int) -> int:
     """The block that holds one whole row, and an error naming the limit when it cannot."""
     block = triton.next_power_of_2(n_cols)
@@ -97,13 +119,33 @@ def num_warps(block: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def tile_blocks(n_cols: int, tile: int, block_n_max: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of an elementwise kernel over (rows, n_cols) tiles of about ``tile`` elements,
+    worked out once per width.
+
+    Usage: ``block_m, block_n, warps = tile_blocks(n_cols, TILE, BLOCK_N_MAX)``.
+    """
+    block_n = min(triton.next_power_of_2(n_cols), block_n_max)
+    block_m = max(1, tile // block_n)
+    return block_m, block_n, num_warps(block_m * block_n)
+
+
+@functools.lru_cache(maxsize=None)
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Programs per multiprocessor in a backward that sums weight gradients: one program walks its rows one after the
+# other, so a multiprocessor running a single one waits on every load; several overlap one's loads with another's
+# arithmetic. Each adds an fp32 row of partial sums (programs x n_cols in all, small beside the activations).
+PROGRAMS_PER_MULTIPROCESSOR = 4
+
+
 def reduction_programs(device: torch.device, n_rows: int) -> int:
-    """How many programs share the rows of a backward that also sums weight gradients: one per multiprocessor on a
-    GPU (each keeps an fp32 partial sum of its rows), a few in the interpreter where programs run one by one."""
+    """How many programs share the rows of a backward that also sums weight gradients (each keeps an fp32 partial
+    sum of its rows): a few per multiprocessor on a GPU, a few in all in the interpreter where programs run one by
+    one."""
     if device.type == "cuda":
-        return max(1, min(n_rows, _multiprocessors(device.index if device.index is not None else 0)))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return max(1, min(n_rows, PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(index)))
     return max(1, min(n_rows, 4))

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import as_rows, check_dtypes, contiguous_rows, launch, num_warps
+from fabriclite.kernels._common import cast, cdiv, check_dtypes, launch, rows_and_strides, tile_blocks
 
 # Tile shape: at most BLOCK_N_MAX columns, and about TILE elements per program.
 BLOCK_N_MAX = 1024
@@ -89,31 +89,26 @@ def _bias_gelu_backward_kernel(
     tl.store(dbias_partial_ptr + tile_row * n_cols + cols, tl.sum(dx, axis=0), mask=col_mask)
 
 
-def _blocks(n_cols: int) -> tuple[int, int]:
-    block_n = min(triton.next_power_of_2(n_cols), BLOCK_N_MAX)
-    return max(1, TILE // block_n), block_n
-
-
 def _forward(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     n_cols = bias.numel()
-    x_rows = contiguous_rows(x, n_cols)
-    n_rows = x_rows.shape[0]
+    n_rows = x.numel() // n_cols
+    x_rows, x_stride, _ = rows_and_strides(x, n_cols, unit_col_stride=True)
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, bias.dtype), device=x.device)
-    block_m, block_n = _blocks(n_cols)
+    block_m, block_n, warps = tile_blocks(n_cols, TILE, BLOCK_N_MAX)
     if n_rows > 0:
         launch(
             _bias_gelu_forward_kernel,
-            (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n)),
+            (cdiv(n_rows, block_m), cdiv(n_cols, block_n)),
             x_rows,
-            x_rows.stride(0),
-            bias.contiguous(),
+            x_stride,
+            bias if bias.is_contiguous() else bias.contiguous(),
             y,
             n_rows,
             n_cols,
             TANH=approximate == "tanh",
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            num_warps=num_warps(block_m * block_n),
+            num_warps=warps,
         )
     return y
 
@@ -122,36 +117,53 @@ def _backward(
     dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_cols = bias.numel()
-    x_rows = contiguous_rows(x, n_cols)
-    n_rows = x_rows.shape[0]
-    dy_rows = as_rows(dy, n_cols)
+    n_rows = x.numel() // n_cols
+    x_rows, x_stride, _ = rows_and_strides(x, n_cols, unit_col_stride=True)
+    dy_rows, dy_row_stride, dy_col_stride = rows_and_strides(dy, n_cols)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n = _blocks(n_cols)
-    tile_rows = triton.cdiv(n_rows, block_m)
+    block_m, block_n, warps = tile_blocks(n_cols, TILE, BLOCK_N_MAX)
+    tile_rows = cdiv(n_rows, block_m)
     dbias = torch.empty((tile_rows, n_cols), dtype=torch.float32, device=x.device)
     if n_rows > 0:
         launch(
             _bias_gelu_backward_kernel,
-            (tile_rows, triton.cdiv(n_cols, block_n)),
+            (tile_rows, cdiv(n_cols, block_n)),
             dx,
             dy_rows,
-            dy_rows.stride(0),
-            dy_rows.stride(1),
+            dy_row_stride,
+            dy_col_stride,
             x_rows,
-            x_rows.stride(0),
-            bias.contiguous(),
+            x_stride,
+            bias if bias.is_contiguous() else bias.contiguous(),
             dbias,
             n_rows,
             n_cols,
             TANH=approximate == "tanh",
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            num_warps=num_warps(block_m * block_n),
+            num_warps=warps,
         )
-    return dx, dbias.sum(0).to(bias.dtype).view(bias.shape)
+    return dx, cast(dbias.sum(0), bias.dtype)  # the bias is 1-D: the sum has its shape
 
 
-# ---------------------------------------------------------------------- torch.library registration
+# ---------------------------------------------------------------------- eager: an autograd Function
+class _BiasGeluFunction(torch.autograd.Function):
+    """Eager calls: the kernels launched directly, without the custom op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, bias, approximate):
+        ctx.save_for_backward(x, bias)
+        ctx.approximate = approximate
+        return _forward(x, bias, approximate)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        return *_backward(dy, x, bias, ctx.approximate), None
+
+
+# ---------------------------------------------------------------------- traced: torch.library registration
 @torch.library.custom_op("fabriclite::bias_gelu", mutates_args=())
 def _bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     return _forward(x, bias, approximate)
@@ -206,7 +218,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
             f"{tuple(bias.shape)}."
         )
     check_dtypes("bias_gelu", "torch.nn.functional.gelu(x + bias)", x, bias)
-    return torch.ops.fabriclite.bias_gelu(x, bias, approximate)
+    if torch.compiler.is_compiling():
+        return torch.ops.fabriclite.bias_gelu(x, bias, approximate)
+    return _BiasGeluFunction.apply(x, bias, approximate)
 
 
 __all__ = ["bias_gelu"]

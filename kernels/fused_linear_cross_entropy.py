@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import triton
 
 from fabriclite.kernels import fused_cross_entropy
-from fabriclite.kernels._common import check_dtypes, launch, num_warps
+from fabriclite.kernels._common import check_dtypes, launch
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -115,13 +115,14 @@ def _chunked(
         and hasattr(torch.ops.aten.addmm, "dtype_out")
         and torch.cuda.get_device_capability(device)[0] >= 8
     )
-    block = fused_cross_entropy._block(vocab_size)
+    block, warps = fused_cross_entropy._block(vocab_size, fused_cross_entropy.MAX_BLOCK)
     # The kernel rounds the logits' gradient once, to their dtype. What is done to it afterwards (the softcap's
     # derivative, the z-loss's term, a per-row scale) would round a bf16 gradient again, so those chunks are
     # computed in fp32 and rounded once at the end, as torch rounds its gradient once.
     in_fp32 = dtype != torch.float32 and (softcap is not None or z_loss > 0.0 or row_scale is not None)
 
     rows = _chunk_rows(n_rows, hidden_size, vocab_size)
+    stats = torch.empty(2 * min(rows, n_rows), dtype=torch.float32, device=device)
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
         chunk, chunk_target = hidden[start:end], target[start:end].contiguous()
@@ -148,7 +149,9 @@ def _chunked(
             logits.stride(0),
             chunk_target,
             row_loss[start:end],
+            stats,  # the rows' max and sum of exp, which nothing here reads again
             n_valid,
+            end - start,
             vocab_size,
             ignore_index,
             label_smoothing,
@@ -156,7 +159,7 @@ def _chunked(
             SMOOTHING=label_smoothing > 0.0,
             COMPUTE_GRAD=compute_grad,
             BLOCK=block,
-            num_warps=num_warps(block),
+            num_warps=warps,
         )
         if z_loss:
             row_loss[start:end] += torch.where(valid, z_loss * lse.square(), 0.0)

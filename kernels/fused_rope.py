@@ -11,6 +11,8 @@ Llama). cos and sin are constants here (Llama computes them from positions); a c
 refused rather than given a silent zero gradient.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -101,15 +103,25 @@ def _rope_backward_kernel(
     tl.store(dx_first + half, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _blocks(n_heads: int, half: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_HALF, num_warps), worked out once per head count and head size."""
+    block_h, block_half = triton.next_power_of_2(n_heads), triton.next_power_of_2(half)
+    return block_h, block_half, num_warps(block_h * block_half)
+
+
 def _rotate(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``kernel`` (the forward or the backward) over a (B, T, H, D) tensor in any strides; returns a contiguous
     tensor of x's shape and dtype."""
     batch, seq_len, n_heads, head_dim = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # cos and sin are (T, D) or (B, T, D) tables, small next to q and k: contiguous copies cost little.
-    cos, sin = cos.contiguous(), sin.contiguous()
+    if not cos.is_contiguous():
+        cos = cos.contiguous()
+    if not sin.is_contiguous():
+        sin = sin.contiguous()
     cos_batch_stride = cos.stride(0) if cos.dim() == 3 and cos.shape[0] > 1 else 0
-    block_h, block_half = triton.next_power_of_2(n_heads), triton.next_power_of_2(head_dim // 2)
+    block_h, block_half, warps = _blocks(n_heads, head_dim // 2)
     if x.numel() > 0:
         launch(
             kernel,
@@ -125,12 +137,29 @@ def _rotate(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
             head_dim // 2,
             BLOCK_H=block_h,
             BLOCK_HALF=block_half,
-            num_warps=num_warps(block_h * block_half),
+            num_warps=warps,
         )
     return out
 
 
-# ---------------------------------------------------------------------- torch.library registration
+# ---------------------------------------------------------------------- eager: an autograd Function
+class _RopeFunction(torch.autograd.Function):
+    """Eager calls: the kernels launched directly, without the custom op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(_rope_forward_kernel, q, cos, sin), _rotate(_rope_forward_kernel, k, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq_rot, dk_rot):
+        cos, sin = ctx.saved_tensors
+        dq, dk = _rotate(_rope_backward_kernel, dq_rot, cos, sin), _rotate(_rope_backward_kernel, dk_rot, cos, sin)
+        return dq, dk, None, None
+
+
+# ---------------------------------------------------------------------- traced: torch.library registration
 @torch.library.custom_op("fabriclite::rope", mutates_args=())
 def _rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -198,7 +227,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
             "grad. Pass cos.detach() and sin.detach(), or use the torch formula to train through the tables."
         )
     check_dtypes("rope", "q * cos + rotate_half(q) * sin", q, k, cos, sin)
-    return torch.ops.fabriclite.rope(q, k, cos, sin)
+    if torch.compiler.is_compiling():
+        return torch.ops.fabriclite.rope(q, k, cos, sin)
+    return _RopeFunction.apply(q, k, cos, sin)
 
 
 __all__ = ["rope"]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import as_rows, check_dtypes, contiguous_rows, launch, num_warps
+from fabriclite.kernels._common import cdiv, check_dtypes, launch, rows_and_strides, tile_blocks
 
 # Tile shape: at most BLOCK_N_MAX columns, and about TILE elements per program.
 BLOCK_N_MAX = 1024
@@ -72,32 +72,28 @@ def _swiglu_backward_kernel(
     tl.store(db_ptr + out, db.to(db_ptr.dtype.element_ty), mask=mask)
 
 
-def _blocks(n_cols: int) -> tuple[int, int]:
-    block_n = min(triton.next_power_of_2(n_cols), BLOCK_N_MAX)
-    return max(1, TILE // block_n), block_n
-
-
 def _forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     y = torch.empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
     if a.numel() == 0:
         return y
     n_cols = a.shape[-1] if a.dim() else 1
-    a_rows, b_rows = contiguous_rows(a, n_cols), contiguous_rows(b, n_cols)
-    n_rows = a_rows.shape[0]
-    block_m, block_n = _blocks(n_cols)
+    n_rows = a.numel() // n_cols
+    a_rows, a_stride, _ = rows_and_strides(a, n_cols, unit_col_stride=True)
+    b_rows, b_stride, _ = rows_and_strides(b, n_cols, unit_col_stride=True)
+    block_m, block_n, warps = tile_blocks(n_cols, TILE, BLOCK_N_MAX)
     launch(
         _swiglu_forward_kernel,
-        (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n)),
+        (cdiv(n_rows, block_m), cdiv(n_cols, block_n)),
         a_rows,
-        a_rows.stride(0),
+        a_stride,
         b_rows,
-        b_rows.stride(0),
+        b_stride,
         y,
         n_rows,
         n_cols,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        num_warps=num_warps(block_m * block_n),
+        num_warps=warps,
     )
     return y
 
@@ -108,31 +104,48 @@ def _backward(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch
     if a.numel() == 0:
         return da, db
     n_cols = a.shape[-1] if a.dim() else 1
-    a_rows, b_rows, dy_rows = contiguous_rows(a, n_cols), contiguous_rows(b, n_cols), as_rows(dy, n_cols)
-    n_rows = a_rows.shape[0]
-    block_m, block_n = _blocks(n_cols)
+    n_rows = a.numel() // n_cols
+    a_rows, a_stride, _ = rows_and_strides(a, n_cols, unit_col_stride=True)
+    b_rows, b_stride, _ = rows_and_strides(b, n_cols, unit_col_stride=True)
+    dy_rows, dy_row_stride, dy_col_stride = rows_and_strides(dy, n_cols)
+    block_m, block_n, warps = tile_blocks(n_cols, TILE, BLOCK_N_MAX)
     launch(
         _swiglu_backward_kernel,
-        (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n)),
+        (cdiv(n_rows, block_m), cdiv(n_cols, block_n)),
         da,
         db,
         dy_rows,
-        dy_rows.stride(0),
-        dy_rows.stride(1),
+        dy_row_stride,
+        dy_col_stride,
         a_rows,
-        a_rows.stride(0),
+        a_stride,
         b_rows,
-        b_rows.stride(0),
+        b_stride,
         n_rows,
         n_cols,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        num_warps=num_warps(block_m * block_n),
+        num_warps=warps,
     )
     return da, db
 
 
-# ---------------------------------------------------------------------- torch.library registration
+# ---------------------------------------------------------------------- eager: an autograd Function
+class _SwigluFunction(torch.autograd.Function):
+    """Eager calls: the kernels launched directly, without the custom op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _forward(a, b)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        return _backward(dy, *ctx.saved_tensors)
+
+
+# ---------------------------------------------------------------------- traced: torch.library registration
 @torch.library.custom_op("fabriclite::swiglu", mutates_args=())
 def _swiglu_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _forward(a, b)
@@ -177,7 +190,9 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             f"swiglu needs a and b of one shape (no broadcasting); got {tuple(a.shape)} and {tuple(b.shape)}."
         )
     check_dtypes("swiglu", "torch.nn.functional.silu(a) * b", a, b)
-    return torch.ops.fabriclite.swiglu(a, b)
+    if torch.compiler.is_compiling():
+        return torch.ops.fabriclite.swiglu(a, b)
+    return _SwigluFunction.apply(a, b)
 
 
 __all__ = ["swiglu"]

@@ -173,23 +173,35 @@ class _LogitSizedAllocations(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_the_backward_scales_the_forward_gradient_in_place_without_a_second_logits_buffer(reduction):
+def test_the_forward_makes_no_logits_sized_buffer_and_the_backward_only_the_gradient(reduction):
     torch.manual_seed(0)
     logits, reference = leaf_pair(torch.randn(5, 33), torch.float32)
     target = _targets(5, 33)
-    loss = cross_entropy(logits, target, reduction=reduction)
+    with _LogitSizedAllocations(5 * 33) as forward_allocations:
+        loss = cross_entropy(logits, target, reduction=reduction)
     upstream = torch.full_like(loss, 0.5)
-    with _LogitSizedAllocations(5 * 33) as allocations:
+    with _LogitSizedAllocations(5 * 33) as backward_allocations:
         loss.backward(upstream)
-    assert allocations.made == [], allocations.made
+    assert forward_allocations.made == [], forward_allocations.made
+    assert len(backward_allocations.made) == 1, backward_allocations.made  # the gradient itself
     F.cross_entropy(reference, target, reduction=reduction).backward(upstream.double())
     assert_matches(logits.grad, reference.grad, torch.float32)
 
 
-@pytest.mark.parametrize("overwrite_logits", [False, True])
-def test_a_retained_graph_cannot_be_run_backward_twice_instead_of_scaling_twice(overwrite_logits):
+def test_a_retained_graph_runs_backward_twice_when_the_logits_are_kept():
+    torch.manual_seed(3)
+    logits, reference = leaf_pair(torch.randn(4, 9), torch.float32)
+    target = _targets(4, 9)
+    loss = cross_entropy(logits, target)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    F.cross_entropy(reference, target).backward()
+    assert_matches(logits.grad, 2 * reference.grad, torch.float32)
+
+
+def test_a_retained_graph_with_overwritten_logits_cannot_be_run_backward_twice():
     logits = torch.randn(4, 9, device=DEVICE, requires_grad=True) * 1.0  # not a leaf, as a model's logits
-    loss = cross_entropy(logits, _targets(4, 9), overwrite_logits=overwrite_logits)
+    loss = cross_entropy(logits, _targets(4, 9), overwrite_logits=True)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()

@@ -21,23 +21,26 @@ def _cases() -> list:
     torch.manual_seed(0)
     target = torch.tensor([0, 6, -100], device=DEVICE)
     rows = torch.tensor([0.5, 1.0, 2.0], device=DEVICE)
-    ones = torch.ones(3, device=DEVICE)
+    stats = torch.cat([rows, torch.zeros(3, device=DEVICE)])
+    ce_stats = torch.cat([rows, rows + 1])
     return [
-        ("cross_entropy", (_leaf(3, 7), target, -100, 0.1, "mean", True)),
-        ("cross_entropy", (_leaf(3, 7), target, -100, 0.0, "none", True)),
-        ("cross_entropy", (_plain(3, 7), target, -100, 0.0, "sum", False)),
-        ("cross_entropy_scale_", (_plain(3, 7), _plain(3))),
-        ("cross_entropy_backward", (_plain(3, 7), _plain(3))),
-        ("layer_norm", (_leaf(2, 3, 7), [7], _leaf(7), _leaf(7), 1e-5)),
-        ("layer_norm", (_leaf(3, 7), [7], None, None, 1e-5)),
-        ("add_layer_norm", (_leaf(3, 7), _leaf(3, 7), _leaf(7), _leaf(7), 1e-5)),
-        ("add_layer_norm", (_leaf(3, 7), _leaf(3, 7), None, None, 1e-5)),
-        ("layer_norm_backward", (_plain(3, 7), _plain(3, 7), _plain(3, 7), [7], _plain(7), True, ones, rows)),
-        ("layer_norm_backward", (_plain(3, 7), None, _plain(3, 7), [7], None, False, ones, rows)),
-        ("rms_norm", (_leaf(2, 3, 7), [7], _leaf(7), 1e-6)),
-        ("rms_norm", (_leaf(3, 7), [7], None, 1e-6)),
-        ("rms_norm_backward", (_plain(3, 7), _plain(3, 7), _plain(3, 7), [7], _plain(7), rows)),
-        ("rms_norm_backward", (_plain(3, 7), None, _plain(3, 7), [7], None, rows)),
+        ("cross_entropy", (_leaf(3, 7), target, -100, 0.1, "mean")),
+        ("cross_entropy", (_leaf(3, 7), target, -100, 0.0, "none")),
+        ("cross_entropy", (_plain(3, 7), target, -100, 0.0, "sum")),
+        # (grad_loss, logits, target, stats: the rows' max then sum of exp, n_valid, ignore_index, label_smoothing)
+        ("cross_entropy_backward", (_plain(3), _plain(3, 7), target, ce_stats, _plain(0), -100, 0.1)),
+        ("cross_entropy_backward", (_plain(3)[0], _plain(3, 7), target, ce_stats, target.new_tensor(2), -100, 0.0)),
+        # fabriclite::norm(x, residual, weight, bias, n_cols, eps, rms): layer norm, RMS norm, with a residual
+        ("norm", (_leaf(2, 3, 7), None, _leaf(7), _leaf(7), 7, 1e-5, False)),
+        ("norm", (_leaf(3, 7), None, None, None, 7, 1e-5, False)),
+        ("norm", (_leaf(3, 7), _leaf(3, 7), _leaf(7), _leaf(7), 7, 1e-5, False)),
+        ("norm", (_leaf(3, 7), _leaf(3, 7), None, None, 7, 1e-5, False)),
+        ("norm", (_leaf(2, 3, 7), None, _leaf(7), None, 7, 1e-6, True)),
+        ("norm", (_leaf(2, 3, 7), _leaf(2, 3, 7), _leaf(7), None, 7, 1e-6, True)),
+        # stats: the rows' rstd, then (layer norm) their means
+        ("norm_backward", (_plain(3, 7), _plain(3, 7), _plain(3, 7), 7, _plain(7), True, stats, False)),
+        ("norm_backward", (_plain(3, 7), None, _plain(3, 7), 7, None, False, stats, False)),
+        ("norm_backward", (_plain(3, 7), None, _plain(3, 7), 7, _plain(7), False, rows, True)),
         ("bias_gelu", (_leaf(2, 3, 7), _leaf(7), "none")),
         ("bias_gelu", (_leaf(3, 7), _leaf(7), "tanh")),
         ("bias_gelu_backward", (_plain(3, 7), _plain(3, 7), _plain(7), "tanh")),
@@ -51,11 +54,9 @@ def _case_id(case) -> str:
 
 
 def _kernel(op: str) -> str:
-    """The Triton kernel an op launches: fabriclite::add_layer_norm -> _layer_norm_forward_kernel, and so on."""
-    if op == "cross_entropy_scale_":  # the in-place backward: the backward kernel, scaling the saved gradient
-        op = "cross_entropy_backward"
+    """The Triton kernel an op launches: fabriclite::norm -> _norm_forward_kernel, and so on."""
     direction = "backward" if op.endswith("_backward") else "forward"
-    return f"_{op.removeprefix('add_').removesuffix('_backward')}_{direction}_kernel"
+    return f"_{op.removesuffix('_backward')}_{direction}_kernel"
 
 
 @pytest.mark.parametrize("case", _cases(), ids=_case_id)
@@ -88,7 +89,7 @@ def test_torch_compile_traces_all_ops_into_one_graph_with_their_backward(backend
     compiled = torch.compile(_step, backend=backend, fullgraph=True)  # a graph break raises here
     kernels = [
         f"_{op}_{direction}_kernel"
-        for op in ("layer_norm", "bias_gelu", "rms_norm", "cross_entropy")
+        for op in ("norm", "bias_gelu", "cross_entropy")
         for direction in ("forward", "backward")
     ]
     with launched(*kernels):

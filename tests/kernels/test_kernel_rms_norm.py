@@ -7,8 +7,8 @@ from kernel_checks import DEVICE, assert_matches, launched, leaf_pair
 
 from fabriclite.kernels import RMSNorm, rms_norm
 
-FORWARD = "_rms_norm_forward_kernel"
-BACKWARD = "_rms_norm_backward_kernel"
+FORWARD = "_norm_forward_kernel"
+BACKWARD = "_norm_backward_kernel"
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -5,7 +5,8 @@ import torch
 from kernel_checks import DEVICE, assert_matches, launched
 from torch import nn
 
-from fabriclite.kernels import LayerNorm, RMSNorm, kernels_available, swap_modules
+from fabriclite.kernels import LayerNorm, RMSNorm, kernels_available, swap, swap_modules
+from fabriclite.kernels.swap import ops_to_swap
 
 
 class _CustomNorm(nn.LayerNorm):
@@ -44,7 +45,7 @@ def test_swap_replaces_norms_in_place_keeping_the_parameter_objects_and_state_di
     x = torch.randn(3, 13, device=DEVICE)
     expected = model(x)
 
-    with launched("_layer_norm_forward_kernel", "_rms_norm_forward_kernel"):
+    with launched("_norm_forward_kernel"):
         assert swap_modules(model) == 3  # norm_in, norm_mid and the shared norm, counted once
         out = model(x)
 
@@ -77,7 +78,7 @@ def test_the_swapped_model_trains_through_the_kernels():
     reference = _model()
     swap_modules(model)
     x = torch.randn(4, 13, device=DEVICE)
-    with launched("_layer_norm_backward_kernel", "_rms_norm_backward_kernel"):
+    with launched("_norm_backward_kernel"):
         model(x).square().mean().backward()
     reference(x).square().mean().backward()
     for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
@@ -92,7 +93,7 @@ def test_a_swapped_rms_norm_without_eps_on_bf16_matches_torch_which_uses_fp32_ep
     x = (0.05 * torch.randn(8, 64, device=DEVICE)).bfloat16()  # mean(x ** 2) = 0.0025, below bf16's eps 0.0078
 
     assert swap_modules(model) == 1 and model[0].eps is None
-    with launched("_rms_norm_forward_kernel"):
+    with launched("_norm_forward_kernel"):
         out = model(x)
     assert_matches(out, reference(x.float()).double(), torch.bfloat16)
 
@@ -108,3 +109,36 @@ def test_kernels_are_available_on_cpu_only_under_the_interpreter(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
 def test_kernels_are_not_available_on_cuda_without_a_gpu():
     assert not kernels_available("cuda")
+
+
+def test_swap_modules_replaces_only_the_kinds_named_and_refuses_unknown_ones():
+    model = _model()
+    assert swap_modules(model, ["rms_norm"]) == 1
+    assert type(model.norm_mid) is RMSNorm and type(model.norm_in) is nn.LayerNorm
+    with pytest.raises(ValueError, match=r"\['groupnorm'\].*'layer_norm', 'rms_norm'"):
+        swap_modules(model, ["groupnorm"])
+
+
+def test_the_rule_swaps_nothing_under_compile_and_on_cuda_only_measured_wins(monkeypatch):
+    assert ops_to_swap("cpu", compiled=False) == ("layer_norm", "rms_norm")  # the interpreter: for tests
+    assert ops_to_swap("cpu", compiled=True) == ()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert ops_to_swap("cuda:0", compiled=False) == ()  # no GPU measurement has shown a win yet
+    monkeypatch.setattr(swap, "MEASURED_WINS", frozenset({("rms_norm", "NVIDIA H100 80GB HBM3")}))
+    assert ops_to_swap("cuda:0", compiled=False) == ("rms_norm",)
+    assert ops_to_swap("cuda:0", compiled=True) == ()
+
+
+def test_fabric_with_kernels_swaps_by_the_rule_and_says_when_it_swaps_nothing(monkeypatch):
+    from fabriclite import Fabric
+
+    fabric = Fabric(accelerator=DEVICE.type, devices=1, kernels=True)
+    assert ops_to_swap(DEVICE, compiled=False) == (() if DEVICE.type == "cuda" else ("layer_norm", "rms_norm"))
+    monkeypatch.setattr(swap, "ops_to_swap", lambda device, compiled: ("layer_norm",))
+    model = fabric.setup(_model())
+    assert type(model.module.norm_in) is LayerNorm and type(model.module.norm_mid) is nn.RMSNorm
+
+    monkeypatch.setattr(swap, "ops_to_swap", lambda device, compiled: ())
+    with pytest.warns(UserWarning, match=r"kernels=True\) leaves the model's norms to torch on"):
+        model = fabric.setup(_model())
+    assert type(model.module.norm_in) is nn.LayerNorm
