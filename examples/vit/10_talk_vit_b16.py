@@ -101,10 +101,19 @@ def load_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
                 return model, "timm vit_base_patch16_224, pretrained weights"
         except ImportError:
             pass
-    config = ViTConfig(image_size=args.image_size, patch_size=16, in_channels=3, dim=args.dim, depth=args.depth,
-                       heads=max(1, args.dim // 64), num_classes=NUM_CLASSES)
-    loud(f"RANDOM INITIALISATION: no pretrained ViT-B/16 was loaded (--synthetic, no torchvision/timm, or weights "
-         f"not cached; --download fetches them). Model: the examples' ViT, {config}.")
+    config = ViTConfig(
+        image_size=args.image_size,
+        patch_size=16,
+        in_channels=3,
+        dim=args.dim,
+        depth=args.depth,
+        heads=max(1, args.dim // 64),
+        num_classes=NUM_CLASSES,
+    )
+    loud(
+        f"RANDOM INITIALISATION: no pretrained ViT-B/16 was loaded (--synthetic, no torchvision/timm, or weights "
+        f"not cached; --download fetches them). Model: the examples' ViT, {config}."
+    )
     return ViT(config), f"random init, examples' ViT (dim {args.dim}, depth {args.depth})"
 
 
@@ -125,8 +134,10 @@ def load_data(args: argparse.Namespace) -> tuple[TensorDataset, TensorDataset, s
             reason = str(err).splitlines()[0]
     else:
         reason = "--synthetic"
-    loud(f"SYNTHETIC DATA: CIFAR-10 was not loaded ({reason}). Training on {args.train_size} and testing on "
-         f"{args.test_size} random CIFAR-10-shaped images made in memory: the accuracy says nothing about CIFAR-10.")
+    loud(
+        f"SYNTHETIC DATA: CIFAR-10 was not loaded ({reason}). Training on {args.train_size} and testing on "
+        f"{args.test_size} random CIFAR-10-shaped images made in memory: the accuracy says nothing about CIFAR-10."
+    )
     generator = torch.Generator().manual_seed(1234)
     templates = torch.randint(0, 256, (NUM_CLASSES, 3, CIFAR_SIZE, CIFAR_SIZE), generator=generator)
 
@@ -172,20 +183,30 @@ def main():
     args = parse_args()
     start = time.perf_counter()
     torch.manual_seed(args.seed)
-    fabric = Fabric(accelerator="auto", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
-                    precision=args.precision, compile=args.compile)
+    fabric = Fabric(
+        accelerator="auto",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        precision=args.precision,
+        compile=args.compile,
+    )
     fabric.launch()
     torch.backends.cuda.matmul.allow_tf32 = True  # for the few fp32 matmuls left under bf16
     model, weights = load_model(args)
     train_set, test_set, data = load_data(args)
-    fabric.print(f"model: {weights}; data: {data}; devices: {args.devices}; precision {args.precision}; "
-                 f"compile={args.compile}; batch {args.batch_size} per device")
+    fabric.print(
+        f"model: {weights}; data: {data}; devices: {args.devices}; precision {args.precision}; "
+        f"compile={args.compile}; batch {args.batch_size} per device"
+    )
     train_flops, forward_flops = flops_per_image(model, args.image_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.fused_adamw or None)
     model, optimizer = fabric.setup(model, optimizer)
 
-    loader_options = {"num_workers": args.workers, "pin_memory": fabric.device.type == "cuda",
-                      "persistent_workers": args.workers > 0}
+    loader_options = {
+        "num_workers": args.workers,
+        "pin_memory": fabric.device.type == "cuda",
+        "persistent_workers": args.workers > 0,
+    }
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True, **loader_options)
     test_loader = DataLoader(test_set, batch_size=2 * args.batch_size, **loader_options)
     train_loader, test_loader = fabric.setup_dataloaders(train_loader, test_loader)
@@ -200,8 +221,10 @@ def main():
         loss_value = loss.item()  # waits for the GPU: the epoch's time is its work
         train_seconds = time.perf_counter() - epoch_start
         test_accuracy = evaluate(model, test_loader, fabric.device, args.image_size)
-        fabric.print(f"epoch {epoch + 1}/{args.epochs}  loss {loss_value:.3f}  test acc {100 * test_accuracy:.1f}%  "
-                     f"train {train_seconds:.1f} s, epoch with eval {time.perf_counter() - epoch_start:.1f} s")
+        fabric.print(
+            f"epoch {epoch + 1}/{args.epochs}  loss {loss_value:.3f}  test acc {100 * test_accuracy:.1f}%  "
+            f"train {train_seconds:.1f} s, epoch with eval {time.perf_counter() - epoch_start:.1f} s"
+        )
     seconds = time.perf_counter() - start
 
     images_per_second = len(train_loader) * args.batch_size * args.devices / train_seconds
@@ -210,8 +233,16 @@ def main():
         fabric.print(f"compile: {fabric.compile_report()}")
     # This process's share of the FLOPs: its batches of every epoch, and its share of the test images.
     flops = args.epochs * (train_flops * len(train_loader) * args.batch_size + forward_flops * len(test_loader.sampler))
-    fabric.print(results(seconds, fabric.device, test_accuracy, flops, timed="end-to-end wall time",
-                         extra={"images_per_s": round(images_per_second, 1), "model": weights, "data": data}))
+    fabric.print(
+        results(
+            seconds,
+            fabric.device,
+            test_accuracy,
+            flops,
+            timed="end-to-end wall time",
+            extra={"images_per_s": round(images_per_second, 1), "model": weights, "data": data},
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -93,8 +93,12 @@ def pick_devices(requested: int | None, wanted: int, quiet: bool = False) -> int
     available = torch.cuda.device_count()
     if available < wanted:
         if not quiet:
-            print(f"{Path(sys.argv[0]).name}: {available} GPU(s) here, not {wanted}: running on {available} "
-                  f"(pass --devices to choose)", file=sys.stderr, flush=True)
+            print(
+                f"{Path(sys.argv[0]).name}: {available} GPU(s) here, not {wanted}: running on {available} "
+                f"(pass --devices to choose)",
+                file=sys.stderr,
+                flush=True,
+            )
         return available
     return wanted
 

@@ -8,8 +8,27 @@ import pytest
 from helpers import ROOT, run_python
 
 SCRIPT = ROOT / "examples" / "vit" / "10_talk_vit_b16.py"
-TINY = ["--synthetic", "--image-size", "32", "--dim", "32", "--depth", "2", "--train-size", "96", "--test-size", "40",
-        "--batch-size", "16", "--epochs", "2", "--workers", "0", "--precision", "32-true"]
+TINY = [
+    "--synthetic",
+    "--image-size",
+    "32",
+    "--dim",
+    "32",
+    "--depth",
+    "2",
+    "--train-size",
+    "96",
+    "--test-size",
+    "40",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "2",
+    "--workers",
+    "0",
+    "--precision",
+    "32-true",
+]
 
 
 def result_of(stdout):
