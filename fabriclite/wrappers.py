@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from fabriclite.callbacks import call_hook
-from fabriclite.compile import CompileWatch
+from fabriclite.compile import CompileWatch, compile_model
 from fabriclite.plugins.precision import Precision
 from fabriclite.strategies.strategy import Strategy
 
@@ -36,7 +36,8 @@ def wrap_model(
 ) -> _FabricModule:
     """The model ``fabric.setup`` returns, made in this order: Triton kernels swapped in, the precision's
     conversion, the move to ``device`` (None: left where it is), the strategy's wrapper (DDP, FSDP), then
-    ``torch.compile`` around that wrapper, as PyTorch recommends (DDP's graph splitting needs it; FSDP per unit).
+    ``torch.compile``: each repeated block in place, or the whole model around that wrapper, as PyTorch recommends
+    (DDP's graph splitting needs it; FSDP per unit), see ``fabriclite.compile``.
 
     A model the user compiled before setup keeps its compiled forward; the rest works on the model inside.
     Usage: ``model = wrap_model(net, strategy, precision, kernels=False, compile_kwargs=None, device=device)``.
@@ -73,8 +74,8 @@ def wrap_model(
     forward_module = strategy.setup_module(module)
     watch = None
     if compile_kwargs is not None and not user_compiled:
-        forward_module = strategy.compile_module(forward_module, compile_kwargs)
-        watch = CompileWatch(type(original).__name__)
+        forward_module, regions = compile_model(forward_module, original, strategy, compile_kwargs)
+        watch = CompileWatch(type(original).__name__, regions)
     guard = strategy.syncs_in_forward
     return _FabricModule(forward_module, precision, original, watch=watch, guard_methods=guard, device=device)
 

@@ -17,8 +17,32 @@ def net():
     return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
 
 
-def train(fabric, steps=4, compile=None, shapes=None):
-    model = net()
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.fc(nn.functional.gelu(self.norm(x)))
+
+
+class Tower(nn.Module):
+    """A transformer-shaped model: an input layer, three repeated blocks in a ModuleList, a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.blocks, self.head = nn.Linear(6, 8), nn.ModuleList(Block() for _ in range(3)), nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def train(fabric, steps=4, compile=None, shapes=None, model=None):
+    model = model or net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = fabric.setup(model, optimizer, compile=compile)
     torch.manual_seed(1)
@@ -40,6 +64,46 @@ def test_compile_true_with_inductor_trains_like_eager_and_reports_one_graph():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     (report,) = fabric.compile_report()
     assert report["graphs"] == 1 and report["graph_breaks"] == 0 and report["recompiles"] == 0
+
+
+def test_repeated_blocks_are_compiled_once_and_train_like_eager():
+    eager = train(Fabric(accelerator="cpu"), model=Tower())
+    fabric = Fabric(accelerator="cpu", compile=True)
+    compiled = train(fabric, model=Tower())
+    assert type(compiled._forward_module).__name__ != "OptimizedModule"  # compiled in place, block by block
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    (report,) = fabric.compile_report()
+    assert report["compiled"] == "regional" and report["regions"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert report["graphs"] == 1 and report["graph_breaks"] == 0 and report["recompiles"] == 0
+
+
+def test_regional_false_and_models_without_repeated_blocks_compile_whole():
+    fabric = Fabric(accelerator="cpu", compile={**EAGER, "regional": False})
+    whole = train(fabric, steps=1, model=Tower())
+    assert type(whole._forward_module).__name__ == "OptimizedModule"
+    mlp = train(Fabric(accelerator="cpu"), steps=1, compile=EAGER)  # its repeated Linears are single layers
+    assert type(mlp._forward_module).__name__ == "OptimizedModule"
+    assert fabric.compile_report()[0]["compiled"] == "whole" and fabric.compile_report()[0]["regions"] == []
+
+
+def test_partial_batches_and_new_eval_sizes_do_not_recompile_and_eval_compiles_once():
+    fabric = Fabric(accelerator="cpu", compile=EAGER)
+    model = train(fabric, steps=3, shapes=[8, 8, 5], model=Tower())  # the last training batch is partial
+    model.eval()
+    with torch.no_grad():
+        for size in (16, 16, 3, 11):  # a new evaluation batch size, then its partial last batch, then another
+            model(torch.randn(size, 6))
+    model.train()
+    model(torch.randn(8, 6)).sum().backward()
+    (report,) = fabric.compile_report()
+    assert report["graphs"] == 1 and report["recompiles"] == 1  # the eval mode's graph, once
+
+
+def test_dynamic_false_keeps_shapes_static_and_reports_the_recompiles():
+    fabric = Fabric(accelerator="cpu", compile={**EAGER, "dynamic": False})
+    train(fabric, steps=3, shapes=[8, 5, 3], model=Tower())
+    assert fabric.compile_report()[0]["recompiles"] == 2
 
 
 def test_setup_compile_overrides_the_fabric_default():
@@ -111,6 +175,7 @@ def test_fixed_shapes_do_not_warn():
         ({"mdoe": "max-autotune"}, ValueError, "Did you mean 'mode'"),
         (7, TypeError, "compile=7"),
         ("yes", TypeError, "compile='yes'"),
+        ({"regional": "no"}, TypeError, "'regional' must be True or False, got 'no'"),
     ],
 )
 def test_bad_compile_arguments_are_refused(value, error, message):

@@ -4,6 +4,8 @@
 machine each process gets a GPU, on a CPU each gets its share of the cores. The test accuracy counts every
 test image exactly once: the samples DistributedSampler repeats to even out the ranks are left out.
 
+On a machine with fewer GPUs than --devices' default, it runs on those there are and says so.
+
 Usage: python examples/vit/05_fabric_ddp.py [--epochs 10] [--devices 2]
 """
 

@@ -4,6 +4,8 @@ Each transformer block is its own FSDP unit (fabriclite finds the repeated block
 holds only its shard of every weight, gathering a block's full weights just before using them. At this
 size the saving is small and the extra communication shows; it is what lets large models fit at all.
 
+On a machine with fewer GPUs than --devices' default, it runs on those there are and says so.
+
 Usage: python examples/vit/06_fabric_fsdp.py [--epochs 10] [--devices 2]
 """
 

@@ -3,6 +3,8 @@
 The schedule is built on the optimizer fabric.setup returned and stepped after every optimizer step; it
 lets the fine-tuning start gently (the new head's first gradients are large) and settle at the end.
 
+On a machine with fewer GPUs than --devices' default, it runs on those there are and says so.
+
 Usage: python examples/vit/07_fabric_fsdp_scheduler.py [--epochs 10] [--devices 2]
 """
 

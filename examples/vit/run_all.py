@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # examples/, so that `import vit` finds this folder
 
 from vit.pretrain import SERIES_WEIGHTS  # noqa: E402
+from vit.series import pick_devices  # noqa: E402
 
 SCRIPTS = {
     "00": ("00_raw_random_init.py", "raw PyTorch, random init"),
@@ -34,8 +35,8 @@ SCRIPTS = {
     "02": ("02_raw_compile.py", "raw + torch.compile"),
     "03": ("03_fabric.py", "Fabric (three-line change)"),
     "04": ("04_fabric_bf16.py", "Fabric, bf16-mixed"),
-    "05": ("05_fabric_ddp.py", "bf16, DDP, 2 devices"),
-    "06": ("06_fabric_fsdp.py", "bf16, FSDP, 2 devices"),
+    "05": ("05_fabric_ddp.py", "bf16, DDP, {devices} devices"),
+    "06": ("06_fabric_fsdp.py", "bf16, FSDP, {devices} devices"),
     "07": ("07_fabric_fsdp_scheduler.py", "bf16, FSDP, LR schedule"),
     "08": ("08_save_checkpoint.py", "bf16, save a checkpoint"),
     "08b": ("08_load_checkpoint.py", "load it in another script"),
@@ -147,6 +148,8 @@ def main() -> int:
         keys = [key for key in keys if key in wanted or (key == "08b" and "08" in wanted)]
     if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs must be at least 1, got {args.epochs}")
+    import torch
+
     out_dir = args.out_dir or (HERE / "results-quick" if args.quick else HERE)
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -164,9 +167,14 @@ def main() -> int:
             return 1
     checkpoint = out_dir / "checkpoints" / "vit_08.ckpt"
 
+    # 05-07 run on 2 devices: 2 processes on a CPU, 2 GPUs, or the one GPU of a one-GPU machine.
+    devices = pick_devices(None, wanted=2, quiet=True)
+    if any(key in keys for key in ("05", "06", "07")):
+        print(f"05-07 (DDP, FSDP) run on {devices} {'GPU(s)' if torch.cuda.is_available() else 'CPU processes'}")
     rows = []
     for key in keys:
         file, what = SCRIPTS[key]
+        what = what.format(devices=devices)
         command = [sys.executable, str(HERE / file), *common, "--weights", str(weights)]
         if key == "08b":
             command = [sys.executable, str(HERE / file), "--checkpoint", str(checkpoint)]

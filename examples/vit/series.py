@@ -1,6 +1,7 @@
 """What the numbered scripts 00-09 share, so that each of them reads as nothing but its training program.
 
 - ``parse_args``: the options every script takes (``--devices``, ``--epochs``, ...).
+- ``pick_devices``: how many devices a script uses when ``--devices`` is not given (the GPUs there are).
 - ``one_device``: the device of the plain PyTorch scripts, which run one process.
 - ``loop_flops``: the model FLOPs of a script's timed loop, for the MFU that ``results`` prints.
 - ``results``: the lines each script ends with: time, MFU, peak memory, test accuracy, and one machine-readable
@@ -43,7 +44,9 @@ def parse_args(doc: str, devices: int = 1, checkpoint: bool = False) -> argparse
     Usage: ``args = parse_args(__doc__, devices=2)``.
     """
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, default=devices, help=f"processes (CPU) or GPUs (default {devices})")
+    parser.add_argument(
+        "--devices", type=int, help=f"processes (CPU) or GPUs (default {devices}, or the GPUs there are if fewer)"
+    )
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument(
         "--labels",
@@ -66,14 +69,38 @@ def parse_args(doc: str, devices: int = 1, checkpoint: bool = False) -> argparse
         parser.add_argument("--strategy", default="auto", help="auto, ddp or fsdp (fsdp writes a shard folder)")
     args = parser.parse_args()
     for name in ("devices", "epochs", "batch_size", "threads"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.labels < 0:
         parser.error(f"--labels must be 0 (all) or more, got {args.labels}")
     args.labels = args.labels or None  # load_digits_splits(train_per_class=None) keeps every label
+    args.devices = pick_devices(args.devices, wanted=devices)
     # The matrices are small, so on a CPU extra threads per process gain little (see examples/demo.py).
     torch.set_num_threads(args.threads)
     return args
+
+
+def pick_devices(requested: int | None, wanted: int, quiet: bool = False) -> int:
+    """The devices a script runs on: ``requested`` (``--devices``) when given, else ``wanted`` processes on a CPU
+    and ``wanted`` GPUs, or all there are when the machine has fewer (said on stderr, unless ``quiet``).
+
+    Usage: ``args.devices = pick_devices(args.devices, wanted=2)``.
+    """
+    if requested is not None:
+        return requested
+    if not torch.cuda.is_available():
+        return wanted
+    available = torch.cuda.device_count()
+    if available < wanted:
+        if not quiet:
+            print(
+                f"{Path(sys.argv[0]).name}: {available} GPU(s) here, not {wanted}: running on {available} "
+                f"(pass --devices to choose)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return available
+    return wanted
 
 
 def one_device(devices: int) -> torch.device:
@@ -124,10 +151,15 @@ def mfu(flops: int, seconds: float, device: torch.device) -> float | None:
 
 
 def results(
-    seconds: float, device: torch.device, accuracy: float, flops: int | None = None, timed: str = "training time"
+    seconds: float,
+    device: torch.device,
+    accuracy: float,
+    flops: int | None = None,
+    timed: str = "training time",
+    extra: dict | None = None,
 ) -> str:
     """The closing lines of a script: human-readable, then one JSON line for run_all.py. ``flops`` (what
-    ``loop_flops`` counts for the timed loop) adds the MFU.
+    ``loop_flops`` counts for the timed loop) adds the MFU; ``extra`` adds its items to the JSON line.
 
     Usage: ``print(results(time.perf_counter() - start, device, test_accuracy, flops))``.
     """
@@ -136,7 +168,7 @@ def results(
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     utilization = mfu(flops, seconds, device) if flops else None
     record = {"script": script, "seconds": round(seconds, 2), "peak_memory_mib": round(memory, 1)}
-    record |= {"test_accuracy": round(100 * accuracy, 2), "device": name}
+    record |= {"test_accuracy": round(100 * accuracy, 2), "device": name, **(extra or {})}
     lines = [f"{timed}: {seconds:.1f} s"]
     if flops:
         record["mfu"] = None if utilization is None else round(utilization, 4)

@@ -167,3 +167,18 @@ def test_the_mfu_counts_a_training_step_per_training_image_and_a_forward_per_val
     monkeypatch.setattr(series, "get_available_flops", lambda device, dtype: 4.0 * train_only)
     assert series.mfu(train_only, 1.0, torch.device("cuda")) == 0.25
     assert series.mfu(train_only, 0.5, torch.device("cuda")) == 0.5
+
+
+def test_pick_devices_takes_the_gpus_there_are_and_says_so(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import torch
+    from vit import series
+
+    assert series.pick_devices(None, wanted=2) == (2 if not torch.cuda.is_available() else min(2, torch.cuda.device_count()))
+    assert series.pick_devices(3, wanted=2) == 3  # --devices given: taken as it is (Fabric says if it cannot)
+    # A one-GPU machine cannot be had here: its CUDA answers are faked.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert series.pick_devices(None, wanted=2) == 1
+    assert "1 GPU(s) here, not 2: running on 1" in capsys.readouterr().err
+    assert series.pick_devices(None, wanted=1) == 1 and capsys.readouterr().err == ""

@@ -1,5 +1,5 @@
-"""Under FSDP2 on 2 processes, compile=... compiles each sharded block, then the root, without graph breaks, and
-trains like the uncompiled model. Prints "PASS <rank> <name>" per check."""
+"""Under FSDP2 on 2 processes, compile=... compiles each sharded block in place (the root stays eager; with
+regional=False each block, then the root) without graph breaks, and trains like the uncompiled model. Prints "PASS <rank> <name>" per check."""
 
 import os
 import torch
@@ -47,6 +47,7 @@ fabric.launch()
 rank = fabric.global_rank
 plain_net, plain = train(fabric, False)
 compiled_net, compiled = train(fabric, {"backend": "aot_eager"})
+whole_net, whole = train(fabric, {"backend": "aot_eager", "regional": False})
 
 
 def check(name, condition):
@@ -56,7 +57,12 @@ def check(name, condition):
 
 
 check("every block is compiled", all(block._compiled_call_impl is not None for block in compiled_net.blocks))
-check("the root is compiled", compiled_net._compiled_call_impl is not None)
-check("no graph breaks", fabric.compile_report()[0]["graph_breaks"] == 0)
-check("compiled training equals eager", all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, compiled)))
-del plain_net, compiled_net  # free the sharded models before exit (gloo may abort at exit otherwise)
+check("the root stays eager", compiled_net._compiled_call_impl is None)
+check("regional=False compiles every block and the root", all(
+    module._compiled_call_impl is not None for module in [*whole_net.blocks, whole_net]
+))
+check("no graph breaks", all(report["graph_breaks"] == 0 for report in fabric.compile_report()))
+check("compiled training equals eager", all(
+    torch.allclose(a, b, atol=1e-6) and torch.allclose(a, c, atol=1e-6) for a, b, c in zip(plain, compiled, whole)
+))
+del plain_net, compiled_net, whole_net  # free the sharded models before exit (gloo may abort at exit otherwise)
