@@ -139,6 +139,15 @@ def test_setup_before_launch_is_refused_under_a_launcher():
     assert "before fabric.launch()" in result.stderr
 
 
+def test_setup_without_launch_runs_on_one_device_where_there_is_nothing_to_start():
+    import torch
+
+    from fabriclite import Fabric
+
+    model = Fabric(accelerator="cpu", devices=1).setup(torch.nn.Linear(2, 2))  # as docs/launching.md says
+    assert model(torch.ones(1, 2)).shape == (1, 2)
+
+
 def test_unused_helpers_are_importable():
     # the module-level import of python_env and ROOT documents where the helpers live
     assert callable(python_env) and ROOT.exists() and sys.executable
