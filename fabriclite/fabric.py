@@ -92,6 +92,7 @@ class Fabric(LegacyAPI):
         self._loggers = as_list(loggers)
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
         self._backward_ready = self._precision.scaler is None
+        self._loss_checked = False  # the first backward asks the strategy whether the loss can train (DDP)
         # The processes exist already (one process, or started by torchrun, SLURM, `fabriclite run` or our own
         # launcher): join them now, so launch() is optional. Otherwise launch() starts them.
         self._launched = not self._strategy.launcher.starts_processes
@@ -287,6 +288,9 @@ class Fabric(LegacyAPI):
                 f"precision={self._precision.name!r} scales the loss, and only an optimizer returned by fabric.setup "
                 "unscales the gradients again. Call `model, optimizer = fabric.setup(model, optimizer)` before backward."
             )
+        if not self._loss_checked:  # once, not per step: the graph walk is not free
+            self._loss_checked = True
+            self._strategy.check_loss(tensor)
         self._precision.backward(tensor, *args, **kwargs)
 
     def clip_gradients(

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, SCRIPTS, passed, python_env, run_python
+from helpers import ROOT, SCRIPTS, assert_passed, passed, python_env, run_python
 
 CHECKS = [
     "layout",
@@ -105,7 +105,9 @@ def test_torchrun_launched_processes_are_detected_and_reused(tmp_path):
         "line = f'rank {fabric.global_rank} of {fabric.world_size} {fabric.strategy.environment.source}'\n"
         "open(f'{sys.argv[1]}/rank{fabric.global_rank}.txt', 'w').write(line)\n"  # one file per rank: no interleaving
     )
-    run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path), timeout=180)
+    run_python(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path), timeout=180
+    )
     assert (tmp_path / "rank0.txt").read_text() == "rank 0 of 2 torchelastic"
     assert (tmp_path / "rank1.txt").read_text() == "rank 1 of 2 torchelastic"
 
@@ -137,6 +139,30 @@ def test_setup_before_launch_is_refused_under_a_launcher():
     assert "before fabric.launch()" in result.stderr
 
 
+def test_setup_without_launch_runs_on_one_device_where_there_is_nothing_to_start():
+    import torch
+
+    from fabriclite import Fabric
+
+    model = Fabric(accelerator="cpu", devices=1).setup(torch.nn.Linear(2, 2))  # as docs/launching.md says
+    assert model(torch.ones(1, 2)).shape == (1, 2)
+
+
 def test_unused_helpers_are_importable():
     # the module-level import of python_env and ROOT documents where the helpers live
     assert callable(python_env) and ROOT.exists() and sys.executable
+
+
+def test_an_optimizer_or_a_loss_from_a_model_not_set_up_is_refused_clearly():
+    out = run_python(str(SCRIPTS / "ddp_not_set_up.py"), timeout=240).stdout
+    assert_passed(
+        out,
+        [
+            "setup_optimizers refuses an optimizer over a model that was not set up",
+            "setup refuses an optimizer over another model than the one set up",
+            "backward refuses a loss from a model that was not set up",
+            "and touches no gradient",
+            "backward warns about a loose parameter beside a set-up model",
+            "a model set up with its optimizer trains, checked on the first backward only",
+        ],
+    )

@@ -9,6 +9,7 @@ Usage:
     python examples/gpt/train.py --quick                        # tiny model, 100 steps: seconds on one CPU core
     python examples/gpt/train.py                                # 0.8M parameters, 1000 steps
     python examples/gpt/train.py --devices 2 --strategy ddp     # two processes (CPU: gloo, CUDA: nccl)
+    fabriclite run --devices 2 examples/gpt/train.py            # the same, started by the launcher
     python examples/gpt/train.py --devices 4 --tp 2             # tensor parallel 2 x FSDP2 2 (parallel.py)
     python examples/gpt/train.py --resume                       # continue from runs/gpt/last.ckpt
     python examples/gpt/train.py --text my_book.txt --out-dir runs/book
@@ -22,6 +23,7 @@ START = time.perf_counter()  # before the heavy imports: "total" is what the per
 
 import argparse  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import asdict, replace  # noqa: E402
@@ -80,6 +82,16 @@ def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
     return parse
 
 
+def devices_arg(text: str) -> int | str:
+    """--devices: "auto" or a whole number of at least 1."""
+    if text == "auto":
+        return text
+    try:
+        return at_least(1)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number >= 1, got {text!r}") from None
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and few steps, for CI and a first try")
@@ -87,7 +99,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path("runs/gpt"), help="checkpoint and logs/version_N")
     parser.add_argument("--resume", action="store_true", help=f"continue from OUT_DIR/{CHECKPOINT}")
     parser.add_argument("--accelerator", default="auto")
-    parser.add_argument("--devices", type=int, default=1, help="processes (CPU) or GPUs; more than 1 uses --strategy")
+    parser.add_argument(
+        "--devices",
+        type=devices_arg,
+        default="auto",
+        help="processes (CPU) or GPUs; auto: what a launcher (`fabriclite run --devices N`) set, else 1",
+    )
     parser.add_argument("--strategy", default="auto", help="auto, ddp or fsdp")
     parser.add_argument(
         "--tp", type=at_least(1), default=1, help="tensor-parallel size: N ranks split each block, FSDP2 over the rest"
@@ -126,6 +143,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--resume: no checkpoint at {args.out_dir / CHECKPOINT}. Run without --resume to start one.")
     if not args.prompt:
         parser.error("--prompt must not be empty: the model needs at least one byte to continue.")
+    if args.tp > 1 and args.devices == "auto":  # tensor parallel needs the number: a launcher's, else 1
+        args.devices = int(os.environ.get("WORLD_SIZE", "1"))
     n_head = (QUICK_MODEL if args.quick else GPTConfig()).n_head
     if args.tp > 1 and (args.strategy != "auto" or args.devices % args.tp or n_head % args.tp):
         parser.error(

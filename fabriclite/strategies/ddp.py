@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from contextlib import nullcontext
 from typing import Any, ContextManager
@@ -39,6 +40,32 @@ class DDPStrategy(ParallelStrategy):
         self._wrapped.add(wrapped)
         return wrapped
 
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._check_set_up(params, f"This {type(optimizer).__name__} optimizer updates", ValueError)
+        return optimizer
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        self._check_set_up(_parameters_behind(loss), "This loss comes from", RuntimeError)
+
+    def _check_set_up(self, params: list[torch.Tensor], what: str, error: type[Exception]) -> None:
+        # Refuse when none of `params` belongs to a set-up model (the model was forgotten); warn when some do not (a
+        # loose parameter, perhaps on purpose). Either way their gradients are not averaged across processes.
+        known = {id(p) for wrapped in self._wrapped for p in wrapped.module.parameters()}
+        outside = [p for p in params if id(p) not in known]
+        if not outside:
+            return
+        shapes = ", ".join(str(list(p.shape)) for p in outside[:5]) + (", ..." if len(outside) > 5 else "")
+        message = (
+            f"{what} {len(outside)} parameter(s) of shapes {shapes} that belong to no model set up with "
+            f"fabric.setup: under DDP only a set-up model averages its gradients across the {self.world_size} "
+            "processes, so each process would train its own copy. Set the model up first "
+            "(`model, optimizer = fabric.setup(model, optimizer)`) and compute the loss with the model it returns."
+        )
+        if len(outside) == len(params):
+            raise error(message)
+        warnings.warn(message, stacklevel=4)
+
     def teardown(self) -> None:
         # A DDP module keeps the process group (and its gloo threads) alive after destroy_process_group; if those
         # threads are still running when the interpreter's C++ objects are destroyed, the process aborts. Drop the
@@ -58,3 +85,18 @@ class DDPStrategy(ParallelStrategy):
                 f"no_backward_sync under DDP expects the model returned by fabric.setup, got {type(module).__name__}."
             )
         return module.no_sync()
+
+
+def _parameters_behind(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors that require grad which ``loss`` was computed from, found by walking its autograd graph."""
+    found, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+        if isinstance(variable, torch.Tensor):
+            found.append(variable)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found

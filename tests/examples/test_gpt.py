@@ -127,6 +127,15 @@ def test_ddp_on_two_processes_accumulates_without_syncing_every_micro_batch_and_
     assert "sample:\ndef " in out, out
 
 
+def test_the_launcher_starts_it_on_two_processes_with_devices_left_at_auto(tmp_path):
+    out = run_python(
+        "-m", "fabriclite.cli", "run", "--devices", "2", TRAIN, *QUIET, "--max-steps", "3", "--eval-every", "3",
+        "--out-dir", str(tmp_path), timeout=180,
+    ).stdout  # fmt: skip
+    assert "2 process(es) on cpu" in out, out
+    assert out.count("final val loss") == 1, out
+
+
 def test_tensor_parallel_on_two_processes_trains_like_one_process(tmp_path):
     """--tp 2: each block split over 2 ranks (parallel.py), which read the same windows; fp32, so the two runs differ
     only in the order of float sums."""
@@ -172,6 +181,7 @@ def test_bad_arguments_stop_before_training_with_a_message_naming_them(tmp_path)
         (["--text", str(tmp_path / "missing.txt")], f"--text {tmp_path / 'missing.txt'}: no such file"),
         (["--resume", "--out-dir", str(tmp_path)], f"--resume: no checkpoint at {tmp_path / 'last.ckpt'}"),
         (["--tp", "2", "--devices", "3"], "--tp 2 needs --strategy auto (it brings its own), --devices a multiple"),
+        (["--devices", "two"], "argument --devices: expected auto or a whole number >= 1, got 'two'"),
     ]
     for args, message in cases:
         result = run_python(TRAIN, *args, timeout=60, check=False)
