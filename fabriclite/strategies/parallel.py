@@ -31,6 +31,7 @@ from fabriclite.strategies.strategy import Strategy
 from fabriclite.watchdog import StallWatchdog, saying_who_has_not_joined
 
 # How a launch starts the processes: run the script again ("popen" is Lightning's name for it), or multiprocessing.
+_JOIN_TIMEOUT = timedelta(minutes=30)  # the longest a process waits for the others to start and join
 _START_METHODS = ("subprocess", "popen", "spawn", "fork")
 
 
@@ -150,9 +151,13 @@ class ParallelStrategy(Strategy):
         if self.world_size > 1:  # one process needs no help: its interrupt is Python's KeyboardInterrupt
             stop_on_interrupt(getattr(self.launcher, "children", []))
         with saying_who_has_not_joined(self.environment, self.stall_timeout):
-            dist.init_process_group(
-                backend, init_method="env://", rank=self.global_rank, world_size=self.world_size, timeout=self.timeout
+            # `timeout` bounds the collectives; joining waits longer, for processes that are slow to start (a loaded
+            # machine takes seconds to import torch) rather than failing a run with a short collective timeout.
+            join_timeout = max(self.timeout, _JOIN_TIMEOUT)
+            store, rank, world_size = next(
+                dist.rendezvous("env://", rank=self.global_rank, world_size=self.world_size, timeout=join_timeout)
             )
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
         if self.stall_timeout is not None and self.world_size > 1:
             self.watchdog = StallWatchdog(self.global_rank, self.world_size, self.stall_timeout, self.timeout)
             self.watchdog.start()
