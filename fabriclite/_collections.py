@@ -1,4 +1,5 @@
-"""Walking nested containers of tensors: the one helper every other module uses to touch a batch."""
+"""Walking nested containers of tensors: the one helper every other module uses to touch a batch; and
+``AttributeDict``, the dict whose keys are attributes (Lightning's ``utilities.data`` path re-exports it)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,41 @@ def to_python_scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
             value = value.item()
         out[key] = value
     return out
+
+
+def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
+    """Move every tensor (and module) in ``batch`` to ``device``, keeping the containers.
+
+    Usage: ``move_data_to_device({"x": x, "y": [y]}, torch.device("cuda", 0))``.
+    """
+    return move_to_device(batch, torch.device(device))
+
+
+class AttributeDict(dict):
+    """A dict whose keys are also attributes: ``hparams.lr`` is ``hparams["lr"]``.
+
+    Usage: ``hparams = AttributeDict(lr=1e-3, batch_size=32); hparams.lr = 3e-4``.
+    """
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} has no key {key!r}; it has {sorted(self)}.") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def __delattr__(self, key: str) -> None:
+        try:
+            del self[key]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} has no key {key!r}.") from None
+
+    def __repr__(self) -> str:
+        if not self:
+            return ""
+        width = max(len(str(key)) for key in self)
+        return "\n".join(
+            f"{key!s:>{width}}: {value!r}" for key, value in sorted(self.items(), key=lambda kv: str(kv[0]))
+        )

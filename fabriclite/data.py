@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -384,3 +385,18 @@ def distributed_loader(dataloader: DataLoader, num_replicas: int, rank: int, see
             sharded, "batch_sampler", BatchSampler(new_sampler, batch_sampler.batch_size, batch_sampler.drop_last)
         )
     return sharded
+
+
+def suggested_max_num_workers(local_world_size: int) -> int:
+    """The most DataLoader workers each of ``local_world_size`` processes on this machine should start: the CPUs
+    this process may run on, shared out, less one for the process itself (at least 1).
+
+    Usage: ``DataLoader(dataset, num_workers=suggested_max_num_workers(devices_per_node))``.
+    """
+    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
+        raise ValueError(f"local_world_size={local_world_size!r} must be an int >= 1 (the processes on this machine).")
+    try:
+        cpus = len(os.sched_getaffinity(0))  # honours taskset and cgroup CPU sets; os.cpu_count() does not
+    except AttributeError:  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // local_world_size - 1)

@@ -1,6 +1,7 @@
 """The shape of the package, checked from its source: the layers only point down (no import cycle, no import up
-the layer table of docs/architecture.md, imports inside functions counted), each strategy name is written once, no
-module grows past 500 lines, and ``Fabric.launch`` asks its launcher, not its type."""
+the layer table of docs/architecture.md, imports inside functions counted), each strategy name is written once,
+``utilities/`` only re-exports, no module grows past 500 lines, and ``Fabric.launch`` asks its launcher, not its
+type."""
 
 import ast
 import shutil
@@ -78,6 +79,23 @@ def test_each_strategy_name_has_one_home_and_one_entry_in_its_table():
     )
     keys = [key.value for key in table.keys if isinstance(key, ast.Constant)]  # a repeated key would silently win
     assert len(keys) > 3 and len(keys) == len(set(keys))
+
+
+def test_the_utilities_folder_only_re_exports_the_core():
+    # Lightning's import paths: a docstring, imports and __all__, so each helper has one home outside utilities/.
+    defining = {}
+    for path in sorted((ROOT / "fabriclite" / "utilities").glob("*.py")):
+        body = ast.parse(path.read_text()).body
+        kept = [
+            node
+            for node in body
+            if not isinstance(node, (ast.Import, ast.ImportFrom))
+            and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+            and not (isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__")
+        ]
+        if kept:
+            defining[path.name] = [ast.unparse(node).splitlines()[0] for node in kept]
+    assert len(list((ROOT / "fabriclite" / "utilities").glob("*.py"))) >= 5 and defining == {}
 
 
 def test_no_module_is_longer_than_500_lines():

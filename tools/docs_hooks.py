@@ -55,10 +55,10 @@ def markdown_without_title(path: str) -> str:
 
 
 def peak_flops_table() -> str:
-    """``fabriclite.utilities.throughput.PEAK_FLOPS`` as a Markdown table, in TFLOP/s."""
+    """``fabriclite.throughput.PEAK_FLOPS`` as a Markdown table, in TFLOP/s."""
     import torch
 
-    from fabriclite.utilities.throughput import PEAK_FLOPS
+    from fabriclite.throughput import PEAK_FLOPS
 
     columns = {
         torch.float64: "fp64",
