@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fabriclite import choices
+from fabriclite import __version__, choices
 from fabriclite.choices import ENV_PREFIX, FABRIC_DEFAULTS, env_name
 
 # Every setting of `fabriclite run`, as a flag (dashes) and as a --config key (underscores), with its help.
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fabriclite", description="Run fabriclite scripts on several processes or machines."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{run,consolidate,plot}")
 
     run = commands.add_parser(
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", metavar="FILE.yaml", help="YAML file with any of the settings below.")
     for key, text in RUN_SETTINGS.items():
         run.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int if key in _INT_SETTINGS else str, help=text)
-    run.add_argument("script", help="The Python script to run in every process.")
+    run.add_argument("script", nargs="?", help="The Python script to run in every process.")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments passed on to the script.")
     run.set_defaults(handler=_run, subparser=run)
 
@@ -252,6 +253,11 @@ def _launch(args: list[str]) -> int:
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         settings = resolve_settings(args)
+        if args.script is None:
+            raise ValueError(
+                "no script to run: name it after the options, e.g. `fabriclite run --devices 2 train.py --lr 0.1` "
+                "(what follows the script goes to the script)."
+            )
         if not Path(args.script).is_file():
             raise ValueError(f"script {args.script!r} does not exist (relative paths start at {os.getcwd()}).")
         from fabriclite.accelerators import select_accelerator

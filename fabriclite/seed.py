@@ -35,13 +35,26 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed={seed!r} is not valid: expected an int between 0 and {_MAX_SEED}.")
     if verbose:
-        print(f"Seed set to {seed}", file=sys.stderr)
+        print(f"{_rank_prefix()}Seed set to {seed}", file=sys.stderr)
     os.environ["FABRICLITE_GLOBAL_SEED"] = os.environ["PL_GLOBAL_SEED"] = str(seed)
     os.environ["PL_SEED_WORKERS"] = str(int(workers))
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return seed
+
+
+def _rank_prefix() -> str:
+    # "[rank: N] " where several processes print the same line (as Lightning's message); nothing on one process.
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        try:
+            rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            return ""
+    return f"[rank: {rank}] " if world_size > 1 else ""
 
 
 def reset_seed() -> None:

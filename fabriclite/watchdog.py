@@ -39,6 +39,7 @@ _KEY = "fabriclite/watchdog/rank{}"
 _SAMPLE_S = 1.0
 _REPEAT_S = 300.0  # while a wait lasts, the report comes again every five minutes
 _STORE_TIMEOUT_S = 5.0  # one store call, at most
+_STORE_FAILURES = 3  # store calls failing in a row that end the watchdog
 _MAX_LISTED = 8  # ranks listed by name in one report; the rest are counted
 
 # The call the user's code made into fabriclite or torch is "the operation" a rank is in.
@@ -155,6 +156,7 @@ class StallWatchdog:
         held: FrameType | None = None  # holding the frame keeps its identity: a new call is a new frame object
         since = time.time()
         last_publish = last_report = 0.0
+        failures = 0  # store calls that failed in a row
         try:
             while not self._stop.wait(_SAMPLE_S):
                 frame = sys._current_frames().get(self.thread_id)
@@ -164,6 +166,7 @@ class StallWatchdog:
                 current = operation if operation is not None else caller
                 if current is not held:
                     held, since = current, time.time()
+                    last_report = 0.0  # a new wait gets its own report, even soon after one about the previous wait
                 del frame
                 now = time.time()
                 state = {
@@ -172,14 +175,22 @@ class StallWatchdog:
                     "since": since,
                     "beat": now,
                 }
-                if now - last_publish >= self.publish_every:
-                    self._store.set(_KEY.format(self.rank), json.dumps(state))
-                    last_publish = now
-                waited = now - since
-                if operation is not None and waited >= self.stall_timeout and now - last_report >= _REPEAT_S:
-                    if self._report(state, waited, now):
-                        last_report = now
-        except Exception:  # the store went away with rank 0: the run is ending, and the dead-rank path says why
+                try:
+                    if now - last_publish >= self.publish_every:
+                        self._store.set(_KEY.format(self.rank), json.dumps(state))
+                        last_publish = now
+                    waited = now - since
+                    if operation is not None and waited >= self.stall_timeout and now - last_report >= _REPEAT_S:
+                        if self._report(state, waited, now):
+                            last_report = now
+                    failures = 0
+                except Exception:
+                    # One slow store call on a loaded machine is no reason to stop watching; several in a row mean the
+                    # store went away with rank 0: the run is ending, and the dead-rank path says why.
+                    failures += 1
+                    if failures >= _STORE_FAILURES:
+                        return
+        except Exception:  # anything else: watching is a courtesy, never a reason to disturb the run
             pass
 
     def _others(self) -> dict[int, dict[str, Any] | None]:

@@ -80,19 +80,20 @@ def sigkill(child: subprocess.Popen) -> None:
     child.wait(timeout=30)
 
 
-def read_until(child: subprocess.Popen, text: str, timeout: float) -> str:
-    """The output of a ``start_python`` child up to the first line containing ``text`` (and whatever came with it);
-    fails the test (showing the output) when ``timeout`` seconds pass first or the child ends without printing it.
+def read_until(child: subprocess.Popen, text: str | re.Pattern, timeout: float) -> str:
+    """The output of a ``start_python`` child up to the first line containing ``text`` (or matching the regular
+    expression ``text``; and whatever came with it); fails the test (showing the output) when ``timeout`` seconds
+    pass first or the child ends without printing it.
 
     Reads the pipe's file descriptor itself, not ``child.stdout``: that file's read-ahead buffer would keep output
     that a later ``child.communicate()``, which reads the descriptor, never sees.
     """
     data = bytearray()
-    wanted = text.encode()
+    pattern = text if isinstance(text, re.Pattern) else re.compile(re.escape(text))
     found = threading.Event()
 
     def read() -> None:
-        while wanted not in data:
+        while not pattern.search(data.decode(errors="replace")):
             chunk = os.read(child.stdout.fileno(), 65536)
             if not chunk:  # the child closed its output
                 break
@@ -102,7 +103,7 @@ def read_until(child: subprocess.Popen, text: str, timeout: float) -> str:
     threading.Thread(target=read, daemon=True).start()
     found.wait(timeout)
     output = bytes(data).decode(errors="replace")
-    assert text in output, f"no line with {text!r} within {timeout} s:\n{output[-3000:]}"
+    assert pattern.search(output), f"no line with {pattern.pattern!r} within {timeout} s:\n{output[-3000:]}"
     return output
 
 

@@ -142,6 +142,36 @@ def test_a_missing_script_is_refused(capsys):
     assert "script 'no_such_train.py' does not exist" in fails_with(capsys, "run", "no_such_train.py")
 
 
+def test_run_without_a_script_says_where_the_script_goes(capsys):
+    for argv in (["run"], ["run", "--devices", "2"]):
+        error = fails_with(capsys, *argv)
+        assert "no script to run: name it after the options, e.g. `fabriclite run --devices 2 train.py" in error
+        assert "script_args" not in error
+
+
+def test_version_prints_the_package_version(capsys):
+    import fabriclite
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"fabriclite {fabriclite.__version__}\n"
+
+
+def test_more_cpu_processes_than_cores_get_a_hint_from_run_and_from_launch(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(  # this machine, seen as one core by every process
+        "import os, sys\nos.cpu_count = lambda: 1\nfrom fabriclite import Fabric\n"
+        "fabric = Fabric(accelerator='cpu', devices=sys.argv[1] if len(sys.argv) > 1 else 'auto')\n"
+        "fabric.launch()\nfabric.barrier()\nprint('TRAINED')\n"
+    )
+    for command in (["-m", "fabriclite.cli", "run", "--devices", "2", str(script)], [str(script), "2"]):
+        result = run_python(*command, timeout=120)
+        hint = "starting 2 processes on a CPU with 1 core(s): each gets less than one core"
+        assert result.stderr.count(hint) == 1, (command, result.stderr)  # from local rank 0 only
+        assert result.stdout.count("TRAINED") == 2, (command, result.stdout)  # a hint, not a refusal
+
+
 def test_a_single_node_uses_a_local_rendezvous_and_several_nodes_the_main_address():
     assert torchrun_args({}, 2, "t.py", ["a"]) == [
         "--nproc-per-node=2",

@@ -192,3 +192,14 @@ def test_reset_seed_seeds_again_with_the_exported_seed_and_workers_choice():
     again = torch.rand(2), random.random(), np.random.rand()
     assert torch.equal(again[0], first[0]) and again[1:] == first[1:]
     assert os.environ["PL_SEED_WORKERS"] == "1"
+
+
+def test_seed_set_names_the_rank_only_when_several_processes_print_it(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seed_everything(5)
+    assert capsys.readouterr().err == "Seed set to 5\n"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    seed_everything(5)
+    assert capsys.readouterr().err == "[rank: 1] Seed set to 5\n"

@@ -17,6 +17,7 @@ __all__ = [
     "ProcessEnvironment",
     "SLURMEnvironment",
     "TorchElasticEnvironment",
+    "cpu_oversubscription_hint",
     "cpu_threads_per_process",
     "detect_environment",
     "free_port",
@@ -245,3 +246,19 @@ def cpu_threads_per_process(local_processes: int) -> int:
     Usage: ``torch.set_num_threads(cpu_threads_per_process(2))``.
     """
     return max(1, (os.cpu_count() or 1) // local_processes)
+
+
+def cpu_oversubscription_hint(local_processes: int) -> str | None:
+    """A hint to print when ``local_processes`` CPU processes outnumber this machine's cores (each then gets less
+    than one core, and the run is slower than with fewer processes); None when they fit.
+
+    Usage: ``hint = cpu_oversubscription_hint(8); if hint: print(hint, file=sys.stderr)``.
+    """
+    cores = os.cpu_count() or 1
+    if local_processes <= cores:
+        return None
+    return (
+        f"fabriclite: starting {local_processes} processes on a CPU with {cores} core(s): each gets less than one "
+        f"core, so they take turns and the run is slower than with {cores} (devices={cores}). Fine for trying out "
+        "several processes; for speed, use at most as many devices as cores."
+    )

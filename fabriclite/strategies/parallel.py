@@ -24,6 +24,7 @@ from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, Subp
 from fabriclite.plugins.environments import (
     ClusterEnvironment,
     ProcessEnvironment,
+    cpu_oversubscription_hint,
     cpu_threads_per_process,
     detect_environment,
 )
@@ -144,6 +145,9 @@ class ParallelStrategy(Strategy):
             return
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(cpu_threads_per_process(self.local_processes))
+        hint = cpu_oversubscription_hint(self.local_processes) if self.root_device.type == "cpu" else None
+        if hint and self.local_rank == 0:  # however the processes were started
+            print(hint, file=sys.stderr, flush=True)
         backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         if self.environment is not None:  # e.g. SLURM names the main node but sets no MASTER_* variables
             os.environ.setdefault("MASTER_ADDR", self.environment.main_address)
