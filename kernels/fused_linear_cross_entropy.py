@@ -38,6 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fabriclite.kernels import fused_cross_entropy
 from fabriclite.kernels._common import as_rows, cast, cdiv, check_dtypes, launch, num_warps
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -284,13 +285,7 @@ def _forward(
         )
         del logits  # before the next chunk's: one chunk of logits at a time
     n_valid = (target != ignore_index).sum() if reduction == "mean" else row_loss.new_empty(0)
-    if reduction == "none":
-        loss = row_loss
-    elif reduction == "sum":
-        loss = row_loss.sum()
-    else:
-        loss = row_loss.sum() / n_valid
-    return cast(loss, hidden.dtype), state, n_valid
+    return fused_cross_entropy.reduce(row_loss, n_valid, reduction, hidden.dtype), state, n_valid
 
 
 def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_out: bool) -> None:
