@@ -52,9 +52,10 @@ ROPE_HEAD_DIM, ROPE_SEQ_LEN = 64, 1024
 # Forward alone, and forward + backward (what a training step pays). A backward alone would have to run twice on
 # one graph, which the in-place backward of the cross-entropy refuses by design.
 MODES = ("forward", "both")
-# "fabriclite, overwrite": cross_entropy(..., overwrite_logits=True), the gradient written over the logits. The
-# benchmark's logits are leaves, whose .grad must be a tensor of its own, so it saves memory in the forward only
-# here; a model's logits (a linear layer's output) get no (N, C) buffer at all.
+# "fabriclite, overwrite": cross_entropy(..., overwrite_logits=True), the backward writing the gradient over the
+# logits instead of into a new (N, C) buffer. The benchmark's logits are leaves, so their values are the gradient
+# of the last call from then on (the same work each call); a model's logits are a linear layer's output, which
+# nothing reads after the loss.
 IMPLEMENTATIONS = ("fabriclite", "fabriclite, overwrite", "torch", "torch.compile", "liger")
 
 Inputs = dict[str, torch.Tensor]
@@ -286,11 +287,7 @@ def norm_cases(rows_list: tuple[int, ...], widths: tuple[int, ...] = NORM_WIDTHS
                         "torch": swiglu_eager,
                         "torch.compile": _compiled(swiglu_eager),
                         # Liger writes its gradients into the saved a and b; its apply() takes positions only.
-                        **(
-                            {"liger": lambda a, b, _f=liger_swiglu: _f.apply(a, b)}
-                            if liger_swiglu is not None
-                            else {}
-                        ),
+                        **({"liger": lambda a, b, _f=liger_swiglu: _f.apply(a, b)} if liger_swiglu is not None else {}),
                     },
                     # forward: a, b in, y out; backward: dy, a, b in, da, db out.
                     {"forward": 6 * hidden_elements, "backward": 10 * hidden_elements, "both": 16 * hidden_elements},
@@ -537,7 +534,9 @@ def host_cost_cases(device: torch.device) -> dict[str, tuple[Callable[[], Inputs
     }
 
 
-def host_cost_us(make_inputs: Callable[[], Inputs], fn: Callable[..., Any], calls: int = 200, repeats: int = 7) -> float:
+def host_cost_us(
+    make_inputs: Callable[[], Inputs], fn: Callable[..., Any], calls: int = 200, repeats: int = 7
+) -> float:
     """Microseconds of one forward+backward call (the gradients reset each call, as a training step does): the
     fastest of ``repeats`` runs of ``calls`` calls, since other work on the machine only ever adds time."""
     inputs = make_inputs()

@@ -2,13 +2,15 @@
 GELU, rotary position embedding (RoPE) and SwiGLU; and linear cross-entropy, a language model's output layer and
 loss computed in chunks of tokens so the (tokens, vocabulary) logits never exist at once.
 
-Each op lives in its own file (``fused_cross_entropy.py``, ``fused_layer_norm.py``, ``fused_rms_norm.py``,
-``fused_bias_gelu.py``, ``fused_rope.py``, ``fused_swiglu.py``, ``fused_linear_cross_entropy.py``; named apart from
-the functions so ``kernels.layer_norm`` is always the function) with its forward and backward ``@triton.jit``
-kernels (linear cross-entropy runs the cross-entropy forward kernel between torch matmuls), the host functions that
-launch them, its ``torch.library`` custom op (so ``torch.compile`` traces it without a graph break) and its public
-function or module. ``swap.py`` replaces a model's ``nn.LayerNorm`` / ``nn.RMSNorm`` with the fused
-modules; ``Fabric(kernels=True)`` calls it on CUDA.
+Each op lives in its own file (``fused_cross_entropy.py``, ``fused_bias_gelu.py``, ``fused_rope.py``,
+``fused_swiglu.py``, ``fused_linear_cross_entropy.py``; named apart from the functions so ``kernels.layer_norm`` is
+always the function) with its forward and backward ``@triton.jit`` kernels, the host functions that launch them, a
+``torch.autograd.Function`` that eager calls go through (no dispatcher between the call and the launch), its
+``torch.library`` custom op (what ``torch.compile`` traces, without a graph break) and its public function or
+module. Layer norm and RMS norm share one implementation, ``_norm.py``; ``fused_layer_norm.py`` and
+``fused_rms_norm.py`` hold their public functions and modules. ``swap.py`` replaces a model's ``nn.LayerNorm`` /
+``nn.RMSNorm`` with the fused modules, and says which of them ``Fabric(kernels=True)`` swaps in where: none under
+``torch.compile``, on CUDA only those measured faster (``swap.MEASURED_WINS``), all on the CPU's interpreter.
 
 Importing this package is cheap: triton is imported (and the ops registered with ``torch.library``) on first use of
 a name below. The kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set before triton is

@@ -214,13 +214,19 @@ def _forward(
             BLOCK=block,
             num_warps=warps,
         )
+    return reduce(row_loss, n_valid, reduction, logits.dtype), stats, n_valid
+
+
+def reduce(row_loss: torch.Tensor, n_valid: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
+    """The rows' fp32 losses reduced as ``reduction`` says ("mean": over the ``n_valid`` rows not ignored), in
+    ``dtype``."""
     if reduction == "none":
         loss = row_loss
     elif reduction == "sum":
         loss = row_loss.sum()
     else:
         loss = row_loss.sum() / n_valid
-    return cast(loss, logits.dtype), stats, n_valid
+    return cast(loss, dtype)
 
 
 def _backward(

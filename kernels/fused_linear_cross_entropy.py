@@ -1,67 +1,291 @@
 """Cross-entropy of a linear layer's output, ``F.cross_entropy(hidden @ weight.T + bias, target)``, computed in
-chunks of tokens so the (N, V) logits never exist at once: a language model's output layer, where V (the
+chunks of the vocabulary so the (N, V) logits never exist at once: a language model's output layer, where V (the
 vocabulary, 32k to 256k) dwarfs H (the width) and the logits and their gradient are the largest tensors of a step.
 
-The forward takes the tokens a chunk at a time. Per chunk it computes the chunk's logits with torch's matmul, runs
-the cross-entropy forward kernel of ``fused_cross_entropy.py`` on them, which writes the loss of each row and, in
-place over the logits, their gradient (``softmax - one-hot``, already divided by the mean's denominator), and then
-turns that gradient into the chunk's rows of ``grad_hidden = grad_logits @ W`` and adds ``grad_logits.T @ chunk``
-(and the column sums, for the bias) to fp32 accumulators of the weight's (and bias's) gradient. The backward only
-multiplies those stored gradients by ``grad_output`` (a copy of each). Memory beyond the inputs: the gradients,
-the weight's first in an fp32 accumulator (4 bytes x V x H, cast to the weight's dtype at the end), and one
-chunk's logits, never N x V. ``softcap`` adds a second chunk buffer, ``z_loss`` an fp32 copy, and in bf16 or fp16
-either (or the backward of ``"none"``) makes the chunk's buffers fp32, so that the gradient is rounded to bf16 once,
-as torch rounds it. This is Liger-Kernel's fused linear cross-entropy; Apple's Cut Cross-Entropy goes further and
-never writes even a chunk's logits.
+Forward: for each chunk of vocabulary rows of the weight, torch's matmul makes the chunk's (N, cols) logits and a
+kernel folds them into a running max m and sum d of ``exp(x - m)`` per token (online softmax across chunks), picks
+the target's logit when it lies in the chunk, and after the last chunk writes each token's loss. What is saved: the
+inputs and two fp32 per token (m and d). Backward: the chunks again; each chunk's logits are recomputed, a kernel
+overwrites them in place with their gradient (``(softmax - one-hot) * grad_output``, ``softmax = exp(x - m) / d``,
+divided by the mean's denominator), and two matmuls turn that into the chunk's rows of the weight's gradient
+(``grad_logits.T @ hidden``, summed over all N tokens inside one matmul, so each element is rounded once, in the
+weight's dtype) and its part of ``grad_hidden = grad_logits @ W`` (added to an fp32 (N, H) accumulator, rounded
+once at the end). One matmul more than eager (four logits-sized matmuls against three), for memory.
 
-Why the weight's gradient has an fp32 accumulator when the weight is bf16 (with fp32 master weights, as under
-bf16-mixed, the accumulator is the gradient itself and costs nothing extra): Liger-Kernel adds each chunk's part
-into a bf16 buffer, which saves that memory but rounds the sum once per chunk. With torch's matmuls on the CPU (N =
-8192, H = 512, V = 4096, bf16 inputs, float64 reference), torch's own bf16 weight gradient has a relative error of
-1.7e-3; adding 8, 32 and 128 chunks in bf16 gives 3.5e-3, 6.5e-3 and 1.1e-2 (2.1x, 3.9x, 6.6x torch's), an fp32
-accumulator 1.7e-3 at every count. So at Llama-3-8B's output layer (8192 tokens, H = 4096, V = 128256, all bf16) the
-extra memory is about 2.9 GiB at its peak (the accumulator, then the cast), against about 5.9 GiB for eager
-``F.cross_entropy(F.linear(...))`` (the logits' log-softmax and two gradients of their size): half, not the fifth
-that bf16 accumulation would reach (by arithmetic; not yet measured on a GPU). Chunking the vocabulary instead of the
-tokens would give both, the weight's gradient rounded once and an accumulator of N x H only, at the price of a
-fourth logits-sized matmul (the log-normalizers first, then the gradients).
-
-The chunk is ``ceil(N / ceil(V / H))`` rows, so that its logits take about as much memory as ``hidden`` (Liger's
-rule): 256 rows for 8192 tokens of Llama-3-8B (H = 4096, V = 128256).
-
-``reduction="none"`` returns a loss per row, and its gradient scales each row's logits gradient by its own
-``grad_output`` before the rows are summed into the weight's gradient, which a stored sum cannot be rescaled to. So
-for ``"none"`` the forward computes the losses only and the backward runs the chunks again with those scales: one
-more logits matmul, the same memory.
+Memory beyond the inputs and outputs: one chunk's logits and the fp32 accumulator of hidden's gradient, 4 x N x H
+bytes. At Llama-3-8B's output layer (N = 8192 tokens, H = 4096, V = 128256, all bf16) with chunks of 4096 columns:
+the weight's gradient 1002 MiB, the accumulator 128 MiB, hidden's gradient 64 MiB, a chunk's logits 64 MiB, at most
+about 1.2 GiB at the peak, against 6012 MiB for eager ``F.cross_entropy(F.linear(...))`` (by arithmetic; not yet
+measured on a GPU). The chunk is ``max(H, 2**24 / N)`` columns (a multiple of 256), so its logits take about as much
+memory as ``hidden`` and each matmul is large enough to run at full speed.
 
 ``softcap`` (Gemma 2) caps the logits at ``softcap * tanh(logits / softcap)`` before the cross-entropy, and
 ``z_loss`` (PaLM) adds ``z_loss * logsumexp(logits) ** 2`` to the loss of every row not ignored, pulling the
-log-normalizer towards 0. Both are computed with torch ops on the chunk (the kernel knows neither): the capped
-logits' gradient is multiplied by ``1 - tanh ** 2``, and the z-loss adds ``2 * z_loss * lse * softmax``.
+log-normalizer towards 0. Both are computed inside the kernels in fp32 (the capped logits' gradient is multiplied by
+``1 - tanh ** 2``, and the z-loss adds ``2 * z_loss * lse * softmax``), so the gradient is rounded once. The label
+smoothing term sums ``x - ref`` with ``ref`` the row's first logit, values near 0 rather than a sum near V * x.
 Semantics otherwise are those of ``fabriclite.kernels.cross_entropy``: no class weights, ``ignore_index`` rows add
 0 to the loss and get no gradient, ``"mean"`` divides by the number of rows not ignored, targets are not checked.
+
+Cut Cross-Entropy (Wijmans et al., 2024) goes further and never writes even a chunk's logits to memory.
 """
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from fabriclite.kernels import fused_cross_entropy
-from fabriclite.kernels._common import check_dtypes, launch
+from fabriclite.kernels._common import as_rows, cast, cdiv, check_dtypes, launch, num_warps
 
 _REDUCTIONS = ("mean", "sum", "none")
+# The widest slice of a chunk's row one program reads at a time.
+MAX_BLOCK = 4096
+# Vocabulary columns per chunk; None picks _chunk_cols(). Tests lower it to run many chunks on small shapes.
+CHUNK_COLS: Optional[int] = None
 
-# Rows per chunk; None picks ceil(N / ceil(V / H)). Tests lower it to run many chunks on small shapes.
-CHUNK_ROWS: Optional[int] = None
+
+def _chunk_cols(n_rows: int, hidden_size: int, vocab_size: int) -> int:
+    """Columns whose (N, cols) logits take about as much memory as the (N, H) hidden states, and at least 2**24
+    logits, so that a chunk's matmuls are not too small to run at full speed."""
+    if CHUNK_COLS is not None:
+        return CHUNK_COLS
+    cols = max(hidden_size, (1 << 24) // max(n_rows, 1))
+    return min(vocab_size, max(256, cols // 256 * 256))
 
 
-def _chunk_rows(n_rows: int, hidden_size: int, vocab_size: int) -> int:
-    """Rows whose (rows, V) logits take about as much memory as the (N, H) hidden states."""
-    if CHUNK_ROWS is not None:
-        return CHUNK_ROWS
-    return max(1, triton.cdiv(n_rows, triton.cdiv(vocab_size, hidden_size)))
+@functools.lru_cache(maxsize=None)
+def _block(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK, BLOCK_M, num_warps): a program sweeps BLOCK_M rows of a chunk BLOCK columns at a time, about
+    MAX_BLOCK elements a step (one row a program for the wide chunks of an LLM, many for narrow ones)."""
+    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
+    block_m = max(1, MAX_BLOCK // block)
+    return block, block_m, num_warps(block * block_m)
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1): exp overflowing to inf gives 1, underflowing to 0 gives -1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _linear_cross_entropy_forward_kernel(
+    logits_ptr,
+    logits_row_stride,
+    target_ptr,
+    state_ptr,
+    loss_ptr,
+    n_rows,
+    n_cols,
+    col_start,
+    vocab_size,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    Z_LOSS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    # BLOCK_M rows of one chunk. state holds, per row: m, d, the smoothing sum, its reference, the target's logit.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    row_ptrs = logits_ptr + rows * logits_row_stride
+    target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
+    if FIRST:
+        first = tl.load(row_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            first = softcap * _tanh(first / softcap)
+        ref = tl.where(first == float("-inf"), 0.0, first)
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        d = tl.zeros((BLOCK_M,), tl.float32)
+        sum_x = tl.zeros((BLOCK_M,), tl.float32)
+        x_target = tl.zeros((BLOCK_M,), tl.float32)
+    else:
+        m = tl.load(state_ptr + rows, mask=row_mask, other=0.0)
+        d = tl.load(state_ptr + n_rows + rows, mask=row_mask, other=1.0)
+        sum_x = tl.load(state_ptr + 2 * n_rows + rows, mask=row_mask, other=0.0)
+        ref = tl.load(state_ptr + 3 * n_rows + rows, mask=row_mask, other=0.0)
+        x_target = tl.load(state_ptr + 4 * n_rows + rows, mask=row_mask, other=0.0)
+
+    local_target = target - col_start
+    in_chunk = row_mask & (local_target >= 0) & (local_target < n_cols)
+    picked = tl.load(row_ptrs + local_target, mask=in_chunk, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        picked = softcap * _tanh(picked / softcap)
+    x_target = tl.where(in_chunk, picked, x_target)
+
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        x = tl.load(row_ptrs[:, None] + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            x = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        # A block of -inf logits leaves m_new at -inf; shifting by 0 then keeps exp() at 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d = d * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+        if SMOOTHING:
+            sum_x += tl.sum(tl.where(mask, x - ref[:, None], 0.0), axis=1)
+        m = m_new
+
+    tl.store(state_ptr + rows, m, mask=row_mask)
+    tl.store(state_ptr + n_rows + rows, d, mask=row_mask)
+    tl.store(state_ptr + 2 * n_rows + rows, sum_x, mask=row_mask)
+    tl.store(state_ptr + 3 * n_rows + rows, ref, mask=row_mask)
+    tl.store(state_ptr + 4 * n_rows + rows, x_target, mask=row_mask)
+    if LAST:
+        log_d = tl.log(d)
+        # -log p_target = lse - x_target, and with smoothing eps/V * sum_c -log p_c = eps * (lse - mean(x)).
+        loss = (m - x_target) + log_d
+        if SMOOTHING:
+            smooth = (m - ref) + log_d - sum_x / vocab_size
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+        if Z_LOSS:
+            lse = m + log_d
+            loss += z_loss * lse * lse
+        tl.store(loss_ptr + rows, tl.where(target == ignore_index, 0.0, loss), mask=row_mask)
+
+
+@triton.jit
+def _linear_cross_entropy_backward_kernel(
+    logits_ptr,
+    logits_row_stride,
+    target_ptr,
+    state_ptr,
+    grad_output_ptr,
+    grad_output_stride,
+    n_valid_ptr,
+    n_rows,
+    n_cols,
+    col_start,
+    vocab_size,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss,
+    MEAN: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    Z_LOSS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    # BLOCK_M rows of one chunk: their logits overwritten with their gradient, each element read before it is
+    # written by the same program.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    row_ptrs = logits_ptr + rows * logits_row_stride
+    target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
+    valid = row_mask & (target != ignore_index)
+    # A scalar grad_output ("mean", "sum") has stride 0: every row reads the same element.
+    scale = tl.load(grad_output_ptr + rows * grad_output_stride, mask=row_mask, other=0.0).to(tl.float32)
+    if MEAN:
+        scale = scale / tl.load(n_valid_ptr).to(tl.float32)
+    m = tl.load(state_ptr + rows, mask=row_mask, other=0.0)
+    d = tl.load(state_ptr + n_rows + rows, mask=row_mask, other=1.0)
+    # d (z_loss * lse ** 2) / d x_c = 2 * z_loss * lse * p_c: the softmax term grows by that factor.
+    growth = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if Z_LOSS:
+        growth = 1.0 + 2.0 * z_loss * (m + tl.log(d))
+    local_target = target - col_start
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        x = tl.load(row_ptrs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            t = _tanh(x / softcap)
+            x = softcap * t
+        grad = tl.exp(x - m[:, None]) / d[:, None] * growth[:, None]
+        is_target = cols[None, :] == local_target[:, None]
+        if SMOOTHING:
+            grad = grad - label_smoothing / vocab_size
+            grad = tl.where(is_target, grad - (1.0 - label_smoothing), grad)
+        else:
+            grad = tl.where(is_target, grad - 1.0, grad)
+        grad = grad * scale[:, None]
+        if SOFTCAP:
+            grad = grad * (1.0 - t * t)  # d capped / d logits
+        grad = tl.where(valid[:, None], grad, 0.0)  # ignored rows: no gradient
+        tl.store(row_ptrs[:, None] + cols[None, :], grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _chunks(n_rows: int, hidden_size: int, vocab_size: int) -> list[tuple[int, int]]:
+    cols = _chunk_cols(n_rows, hidden_size, vocab_size)
+    return [(start, min(start + cols, vocab_size)) for start in range(0, vocab_size, cols)]
+
+
+def _chunk_logits(hidden, weight, bias, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the chunk's (N, cols) logits, its weight rows), in hidden's dtype: fp32 master weights (bf16 autocast) are
+    cast a chunk at a time, never the whole (V, H) matrix at once."""
+    chunk_weight = cast(weight[start:end], hidden.dtype)
+    chunk_bias = cast(bias[start:end], hidden.dtype) if bias is not None else None
+    return F.linear(hidden, chunk_weight, chunk_bias), chunk_weight
+
+
+def _flags(label_smoothing: float, softcap: Optional[float], z_loss: float) -> dict:
+    return {"SMOOTHING": label_smoothing > 0.0, "SOFTCAP": softcap is not None, "Z_LOSS": z_loss > 0.0}
+
+
+def _forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    softcap: Optional[float],
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, state, n_valid): state the per-row fp32 m, d (and the smoothing sums) the backward reads, n_valid the
+    rows not ignored for "mean" (empty otherwise)."""
+    n_rows, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    if not target.is_contiguous():
+        target = target.contiguous()
+    state = torch.empty(5 * n_rows, dtype=torch.float32, device=hidden.device)
+    row_loss = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
+    chunks = _chunks(n_rows, hidden_size, vocab_size)
+    for index, (start, end) in enumerate(chunks):
+        if n_rows == 0:
+            break
+        logits, _ = _chunk_logits(hidden, weight, bias, start, end)
+        block, block_m, warps = _block(end - start)
+        launch(
+            _linear_cross_entropy_forward_kernel,
+            (cdiv(n_rows, block_m),),
+            logits,
+            logits.stride(0),
+            target,
+            state,
+            row_loss,
+            n_rows,
+            end - start,
+            start,
+            vocab_size,
+            ignore_index,
+            label_smoothing,
+            softcap if softcap is not None else 1.0,
+            z_loss,
+            FIRST=index == 0,
+            LAST=index == len(chunks) - 1,
+            BLOCK=block,
+            BLOCK_M=block_m,
+            num_warps=warps,
+            **_flags(label_smoothing, softcap, z_loss),
+        )
+        del logits  # before the next chunk's: one chunk of logits at a time
+    n_valid = (target != ignore_index).sum() if reduction == "mean" else row_loss.new_empty(0)
+    return fused_cross_entropy.reduce(row_loss, n_valid, reduction, hidden.dtype), state, n_valid
 
 
 def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_out: bool) -> None:
@@ -70,132 +294,117 @@ def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp3
         accumulator.addmm_(a, b)
     elif fp32_out:  # Ampere and newer: the GEMM accumulates into the fp32 tensor directly
         torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
-    else:  # one (V, H) temporary in the compute dtype, rounded once per chunk
+    else:  # one (N, H) temporary in the compute dtype, rounded once per chunk
         accumulator.add_(a @ b)
 
 
-def _chunked(
+def _backward(
+    grad_loss: torch.Tensor,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: Optional[torch.Tensor],
+    state: torch.Tensor,
+    n_valid: torch.Tensor,
     ignore_index: int,
     label_smoothing: float,
-    mean: bool,
     softcap: Optional[float],
     z_loss: float,
     needs_grad: list[bool],
-    row_scale: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The chunk loop of forward and backward alike.
-
-    Returns (the fp32 loss of every row, the mean's denominator, and the gradients of hidden, weight and bias, each
-    None unless ``needs_grad`` asks for it). The gradients are those of the mean (``mean=True``) or of the sum of
-    the row losses, each row's term multiplied by ``row_scale[row]`` when given.
-    """
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The gradients of hidden, weight and bias (None where ``needs_grad`` does not ask), the chunks' logits
+    recomputed and overwritten with their gradient."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
     want_hidden, want_weight, want_bias = needs_grad
     want_bias = want_bias and bias is not None
-    compute_grad = want_hidden or want_weight or want_bias
-    # The matmuls run in hidden's dtype; fp32 master weights (bf16 autocast) are cast once, as autocast does.
-    weight_c = weight.to(dtype)
-    bias_c = bias.to(dtype) if bias is not None else None
-
-    row_loss = torch.empty(n_rows, dtype=torch.float32, device=device)
-    # Counted on the device and read by the kernel: no host sync for the mean's denominator.
-    n_valid = (target != ignore_index).sum().to(torch.float32)
-    grad_hidden = torch.empty((n_rows, hidden_size), dtype=dtype, device=device) if want_hidden else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if want_weight else None
-    grad_bias = torch.zeros(vocab_size, dtype=torch.float32, device=device) if want_bias else None
+    if not target.is_contiguous():
+        target = target.contiguous()
+    # (N,) for "none", () otherwise; an expanded (N,) gradient keeps its stride 0.
+    grad_output = as_rows(grad_loss, 1) if grad_loss.dim() else grad_loss
+    grad_output_stride = grad_output.stride(0) if grad_output.dim() else 0
+    mean = n_valid.numel() > 0
+    grad_hidden = torch.zeros((n_rows, hidden_size), dtype=torch.float32, device=device) if want_hidden else None
+    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if want_weight else None
+    grad_bias = torch.empty(vocab_size, dtype=bias.dtype, device=device) if want_bias else None
     # torch.addmm(..., out_dtype=) is CUDA-only and newer than our oldest supported torch.
     fp32_out = (
         device.type == "cuda"
         and hasattr(torch.ops.aten.addmm, "dtype_out")
         and torch.cuda.get_device_capability(device)[0] >= 8
     )
-    block, warps = fused_cross_entropy._block(vocab_size, fused_cross_entropy.MAX_BLOCK)
-    # The kernel rounds the logits' gradient once, to their dtype. What is done to it afterwards (the softcap's
-    # derivative, the z-loss's term, a per-row scale) would round a bf16 gradient again, so those chunks are
-    # computed in fp32 and rounded once at the end, as torch rounds its gradient once.
-    in_fp32 = dtype != torch.float32 and (softcap is not None or z_loss > 0.0 or row_scale is not None)
-
-    rows = _chunk_rows(n_rows, hidden_size, vocab_size)
-    stats = torch.empty(2 * min(rows, n_rows), dtype=torch.float32, device=device)
-    for start in range(0, n_rows, rows):
-        end = min(start + rows, n_rows)
-        chunk, chunk_target = hidden[start:end], target[start:end].contiguous()
-        logits = F.linear(chunk, weight_c, bias_c)  # (rows, V), contiguous: the kernel overwrites it
-        if in_fp32:
-            logits = logits.float()
-        tanh = None
-        if softcap is not None:
-            tanh = logits.div_(softcap).tanh_()
-            logits = tanh * softcap
-
-        if z_loss:
-            valid = chunk_target != ignore_index
-            # An fp32 copy of the logits: their logsumexp, then (for the gradient) their softmax in place.
-            probs = logits.to(torch.float32, copy=True)
-            lse = torch.logsumexp(probs, dim=-1)
-
+    for start, end in _chunks(n_rows, hidden_size, vocab_size) if (n_rows and any(needs_grad)) else ():
+        logits, chunk_weight = _chunk_logits(hidden, weight, bias, start, end)
+        block, block_m, warps = _block(end - start)
         launch(
-            fused_cross_entropy._cross_entropy_forward_kernel,
-            (end - start,),
+            _linear_cross_entropy_backward_kernel,
+            (cdiv(n_rows, block_m),),
             logits,
             logits.stride(0),
-            logits,  # the gradient overwrites the logits, row by row after reading them
-            logits.stride(0),
-            chunk_target,
-            row_loss[start:end],
-            stats,  # the rows' max and sum of exp, which nothing here reads again
-            n_valid,
+            target,
+            state,
+            grad_output,
+            grad_output_stride,
+            n_valid if mean else state,
+            n_rows,
             end - start,
+            start,
             vocab_size,
             ignore_index,
             label_smoothing,
+            softcap if softcap is not None else 1.0,
+            z_loss,
             MEAN=mean,
-            SMOOTHING=label_smoothing > 0.0,
-            COMPUTE_GRAD=compute_grad,
             BLOCK=block,
+            BLOCK_M=block_m,
             num_warps=warps,
+            **_flags(label_smoothing, softcap, z_loss),
         )
-        if z_loss:
-            row_loss[start:end] += torch.where(valid, z_loss * lse.square(), 0.0)
-        if not compute_grad:
-            continue
-
         grad_logits = logits
-        if z_loss:
-            # d(z_loss * lse ** 2) / d logits = 2 * z_loss * lse * softmax, scaled as the kernel scaled its part.
-            coefficient = torch.where(valid, 2.0 * z_loss * lse, 0.0)
-            if mean:
-                coefficient = coefficient / n_valid
-            grad_logits.add_(probs.sub_(lse[:, None]).exp_().mul_(coefficient[:, None]))
-        if row_scale is not None:
-            grad_logits.mul_(row_scale[start:end, None])
-        if tanh is not None:
-            grad_logits.mul_(tanh.square_().neg_().add_(1.0))  # d capped / d logits = 1 - tanh ** 2
-
-        grad_logits = grad_logits.to(dtype)
-        if want_hidden:
-            torch.mm(grad_logits, weight_c, out=grad_hidden[start:end])
-        if want_weight:
-            _add_matmul(grad_weight, grad_logits.t(), chunk, fp32_out)
+        if want_weight:  # all N tokens summed inside one matmul: rounded once, in the weight's dtype
+            if grad_weight.dtype == dtype:
+                torch.mm(grad_logits.t(), hidden, out=grad_weight[start:end])
+            else:
+                grad_weight[start:end] = grad_logits.t() @ hidden
         if want_bias:
-            grad_bias.add_(grad_logits.sum(dim=0, dtype=torch.float32))
+            grad_bias[start:end] = grad_logits.sum(dim=0, dtype=torch.float32)
+        if want_hidden:
+            _add_matmul(grad_hidden, grad_logits, chunk_weight, fp32_out)
+        del logits, grad_logits
+    if grad_hidden is not None:
+        grad_hidden = cast(grad_hidden, dtype)
+    if n_rows == 0:  # no chunk ran: nothing to sum
+        grad_weight = grad_weight.zero_() if grad_weight is not None else None
+        grad_bias = grad_bias.zero_() if grad_bias is not None else None
+    return grad_hidden, grad_weight, grad_bias
 
-    return (
-        row_loss,
-        n_valid,
-        grad_hidden,
-        grad_weight.to(weight.dtype) if grad_weight is not None else None,
-        grad_bias.to(bias.dtype) if grad_bias is not None else None,
-    )
+
+# ---------------------------------------------------------------------- eager: an autograd Function
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    """Eager calls: the chunks run directly, without the custom op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss):
+        loss, state, n_valid = _forward(
+            hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss
+        )
+        ctx.save_for_backward(hidden, weight, target, bias, state, n_valid)
+        ctx.config = (ignore_index, label_smoothing, softcap, z_loss)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        hidden, weight, target, bias, state, n_valid = ctx.saved_tensors
+        needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
+        grad_hidden, grad_weight, grad_bias = _backward(
+            grad_loss, hidden, weight, target, bias, state, n_valid, *ctx.config, needs
+        )
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
 
 
-# ---------------------------------------------------------------------- torch.library registration
+# ---------------------------------------------------------------------- traced: torch.library registration
 @torch.library.custom_op("fabriclite::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy_op(
     hidden: torch.Tensor,
@@ -207,40 +416,18 @@ def _linear_cross_entropy_op(
     reduction: str,
     softcap: Optional[float],
     z_loss: float,
-    needs_grad: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns the loss and, for "mean" and "sum", the gradients of hidden, weight and bias for grad_output 1 where
-    ``needs_grad`` asks for them (empty tensors elsewhere, and always for "none", whose backward recomputes)."""
-    if reduction == "none":
-        needs_grad = [False, False, False]
-    row_loss, n_valid, grad_hidden, grad_weight, grad_bias = _chunked(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction == "mean", softcap, z_loss, needs_grad
-    )
-    if reduction == "none":
-        loss = row_loss.to(hidden.dtype)
-    elif reduction == "sum":
-        loss = row_loss.sum().to(hidden.dtype)
-    else:
-        loss = (row_loss.sum() / n_valid).to(hidden.dtype)
-    empty = hidden.new_empty(0)
-    return loss, *(grad if grad is not None else empty.clone() for grad in (grad_hidden, grad_weight, grad_bias))
-
-
-def _fake_grads(hidden, weight, bias, needs_grad):
-    want_hidden, want_weight, want_bias = needs_grad
-    return (
-        hidden.new_empty(hidden.shape) if want_hidden else hidden.new_empty(0),
-        weight.new_empty(weight.shape) if want_weight else hidden.new_empty(0),
-        bias.new_empty(bias.shape) if want_bias and bias is not None else hidden.new_empty(0),
-    )
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (loss, state, n_valid): what the backward op needs besides the inputs."""
+    return _forward(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss)
 
 
 @_linear_cross_entropy_op.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss, needs_grad):
-    loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else ())
-    if reduction == "none":
-        needs_grad = [False, False, False]
-    return loss, *_fake_grads(hidden, weight, bias, needs_grad)
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss):
+    n_rows = hidden.shape[0]
+    loss = hidden.new_empty((n_rows,) if reduction == "none" else ())
+    state = hidden.new_empty(5 * n_rows, dtype=torch.float32)
+    n_valid = target.new_empty(()) if reduction == "mean" else hidden.new_empty(0, dtype=torch.float32)
+    return loss, state, n_valid
 
 
 @torch.library.custom_op("fabriclite::linear_cross_entropy_backward", mutates_args=())
@@ -250,54 +437,48 @@ def _linear_cross_entropy_backward_op(
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: Optional[torch.Tensor],
+    state: torch.Tensor,
+    n_valid: torch.Tensor,
     ignore_index: int,
     label_smoothing: float,
     softcap: Optional[float],
     z_loss: float,
     needs_grad: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of hidden, weight and bias for reduction "none" and a per-row ``grad_loss``: the forward's
-    chunks again, each row's logits gradient scaled by its ``grad_loss`` (empty tensors where not needed)."""
-    *_, grad_hidden, grad_weight, grad_bias = _chunked(
-        hidden, weight, target, bias, ignore_index, label_smoothing, False, softcap, z_loss, needs_grad, grad_loss
-    )
-    empty = hidden.new_empty(0)
-    return tuple(grad if grad is not None else empty.clone() for grad in (grad_hidden, grad_weight, grad_bias))
+    """The gradients of hidden, weight and bias (empty tensors where ``needs_grad`` does not ask)."""
+    grads = _backward(
+        grad_loss, hidden, weight, target, bias, state, n_valid, ignore_index, label_smoothing, softcap, z_loss,
+        needs_grad,
+    )  # fmt: skip
+    return tuple(grad if grad is not None else hidden.new_empty(0) for grad in grads)
 
 
 @_linear_cross_entropy_backward_op.register_fake
-def _(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, softcap, z_loss, needs_grad):
-    return _fake_grads(hidden, weight, bias, needs_grad)
+def _(grad_loss, hidden, weight, target, bias, state, n_valid, ignore_index, label_smoothing, softcap, z_loss, needs):
+    want_hidden, want_weight, want_bias = needs
+    return (
+        hidden.new_empty(hidden.shape) if want_hidden else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if want_weight else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if want_bias and bias is not None else hidden.new_empty(0),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss, needs_grad = inputs
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.recompute = reduction == "none"
-    if ctx.recompute:
-        ctx.save_for_backward(hidden, weight, target, bias)
-        ctx.arguments = (ignore_index, label_smoothing, softcap, z_loss)
-    else:
-        ctx.save_for_backward(*output[1:])
-        ctx.computed = needs_grad
+    hidden, weight, target, bias, ignore_index, label_smoothing, _, softcap, z_loss = inputs
+    _, state, n_valid = output
+    ctx.save_for_backward(hidden, weight, target, bias, state, n_valid)
+    ctx.config = (ignore_index, label_smoothing, softcap, z_loss)
+    ctx.mark_non_differentiable(state, n_valid)
 
 
-def _backward_formula(ctx, grad_loss, *_grads_of_grads):
-    hidden_weight_bias = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
-    if ctx.recompute:
-        hidden, weight, target, bias = ctx.saved_tensors
-        grads = torch.ops.fabriclite.linear_cross_entropy_backward(
-            grad_loss, hidden, weight, target, bias, *ctx.arguments, list(hidden_weight_bias)
-        )
-    else:
-        if any(need and not computed for need, computed in zip(hidden_weight_bias, ctx.computed)):
-            raise RuntimeError(
-                "fabriclite::linear_cross_entropy ran without the gradient that autograd now asks for (needs_grad "
-                f"{ctx.computed}); call it through linear_cross_entropy(), which sets needs_grad from requires_grad."
-            )
-        grads = [grad * grad_loss for grad in ctx.saved_tensors]
-    grad_hidden, grad_weight, grad_bias = (grad if need else None for grad, need in zip(grads, hidden_weight_bias))
-    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
+def _backward_formula(ctx, grad_loss, _grad_state, _grad_n_valid):
+    hidden, weight, target, bias, state, n_valid = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3] and bias is not None]
+    grads = torch.ops.fabriclite.linear_cross_entropy_backward(
+        grad_loss, hidden, weight, target, bias, state, n_valid, *ctx.config, needs
+    )
+    grad_hidden, grad_weight, grad_bias = (grad if need else None for grad, need in zip(grads, needs))
+    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
 
 
 _linear_cross_entropy_op.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -316,7 +497,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target)`` for (N, H) hidden states, a (V, H) weight and
-    (N,) class indices, without ever holding the (N, V) logits: computed in chunks of tokens, gradients included.
+    (N,) class indices, without ever holding the (N, V) logits: computed in chunks of the vocabulary, gradients included.
 
     ``softcap`` caps the logits at ``softcap * tanh(logits / softcap)`` first (Gemma 2); ``z_loss`` adds
     ``z_loss * logsumexp(logits) ** 2`` per row not ignored (PaLM). The matmuls run in ``hidden``'s dtype.
@@ -342,9 +523,7 @@ def linear_cross_entropy(
     check_dtypes(
         "linear_cross_entropy", "F.cross_entropy(F.linear(hidden, weight, bias), target)", hidden, weight, bias
     )
-    grad_enabled = torch.is_grad_enabled()
-    needs_grad = [grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    loss, *_ = torch.ops.fabriclite.linear_cross_entropy(
+    arguments = (
         hidden,
         weight,
         target,
@@ -354,9 +533,10 @@ def linear_cross_entropy(
         reduction,
         float(softcap) if softcap is not None else None,
         float(z_loss),
-        needs_grad,
     )
-    return loss
+    if torch.compiler.is_compiling():
+        return torch.ops.fabriclite.linear_cross_entropy(*arguments)[0]
+    return _LinearCrossEntropyFunction.apply(*arguments)
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):

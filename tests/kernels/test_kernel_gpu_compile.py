@@ -18,14 +18,16 @@ try:
 except ImportError as error:
     sys.exit(f"SKIP: this triton cannot compile ahead of time ({error})")
 from fabriclite.kernels import (
-    _norm, fused_bias_gelu, fused_cross_entropy, fused_rope, fused_swiglu,
+    _norm, fused_bias_gelu, fused_cross_entropy, fused_linear_cross_entropy, fused_rope, fused_swiglu,
 )
 
-FP32_POINTERS = {"loss_ptr", "n_valid_ptr", "mean_ptr", "rstd_ptr", "stats_ptr", "dweight_partial_ptr", "dbias_partial_ptr"}
+FP32_POINTERS = {"loss_ptr", "n_valid_ptr", "mean_ptr", "rstd_ptr", "stats_ptr", "state_ptr", "dweight_partial_ptr", "dbias_partial_ptr"}
 BLOCKS = {"BLOCK": 1024, "BLOCK_M": 4, "BLOCK_N": 1024, "BLOCK_H": 32, "BLOCK_HALF": 64}
 KERNELS = [
     fused_cross_entropy._cross_entropy_forward_kernel, fused_cross_entropy._cross_entropy_backward_kernel,
     _norm._norm_forward_kernel, _norm._norm_backward_kernel,
+    fused_linear_cross_entropy._linear_cross_entropy_forward_kernel,
+    fused_linear_cross_entropy._linear_cross_entropy_backward_kernel,
     fused_bias_gelu._bias_gelu_forward_kernel, fused_bias_gelu._bias_gelu_backward_kernel,
     fused_rope._rope_forward_kernel, fused_rope._rope_backward_kernel,
     fused_swiglu._swiglu_forward_kernel, fused_swiglu._swiglu_backward_kernel,
@@ -41,7 +43,7 @@ def signature(kernel):
             types[name] = "*i64"
         elif name.endswith("_ptr"):
             types[name] = "*fp32" if name in FP32_POINTERS else "*bf16"
-        elif name in ("eps", "label_smoothing"):
+        elif name in ("eps", "label_smoothing", "softcap", "z_loss"):
             types[name] = "fp32"
         else:
             types[name] = "i64" if name.endswith("row_stride") else "i32"
