@@ -58,8 +58,12 @@ def start(strategy: Any, path: Any, checkpoint: dict[str, Any], save_file: Any, 
             if after is not None:
                 after()
         except BaseException as error:  # reported at the next save, on every rank
-            write.error = save_failure(path, error) if isinstance(error, Exception) else CheckpointError(
-                path, "unwritable", f"Saving {str(path)!r} in the background was interrupted ({error!r})."
+            write.error = (
+                save_failure(path, error)
+                if isinstance(error, Exception)
+                else CheckpointError(
+                    path, "unwritable", f"Saving {str(path)!r} in the background was interrupted ({error!r})."
+                )
             )
 
     write.thread = threading.Thread(target=run, name="fabriclite-async-save", daemon=False)

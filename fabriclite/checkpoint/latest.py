@@ -37,7 +37,9 @@ def check_folder(folder: str | os.PathLike) -> Path:
 
 def check_keep_last(keep_last: int | None) -> None:
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last={keep_last!r} must be a whole number of checkpoints, 1 or more, or None (keep all).")
+        raise ValueError(
+            f"keep_last={keep_last!r} must be a whole number of checkpoints, 1 or more, or None (keep all)."
+        )
 
 
 def candidates(folder: Path, like: Path | None = None) -> list[Path]:
