@@ -66,6 +66,9 @@ for epoch in range(state["epoch"], args.epochs):
     if preempted:
         break
 
-if not preempted and fabric.is_global_zero:
-    torch.save(model.state_dict(), args.out)
+if not preempted:
+    # FSDP's parameters are DTensors: every rank takes part in gathering their full values.
+    weights = {name: getattr(value, "full_tensor", lambda v=value: v)() for name, value in model.state_dict().items()}
+    if fabric.is_global_zero:
+        torch.save(weights, args.out)
 fabric.print("done" if not preempted else "stopped for preemption", flush=True)
