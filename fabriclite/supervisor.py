@@ -28,6 +28,7 @@ from fabriclite.plugins.environments import free_port
 from fabriclite.preemption import PREEMPTED_EXIT_CODE, SIGNALS, requeue
 
 RESTART_ENV = "FABRICLITE_RESTART_COUNT"
+MAX_RESTARTS_ENV = "FABRICLITE_MAX_RESTARTS"  # for fabric.launch(), which has no command line
 DEFAULT_DEADLINE_S = 300.0  # after a preemption notice, how long the ranks may take to save and exit
 _FORWARDED = (signal.SIGINT, *SIGNALS)
 
@@ -40,6 +41,18 @@ def how_it_ended(returncode: int) -> str:
         return f"was killed by {signal.Signals(-returncode).name}"
     except ValueError:
         return f"was killed by signal {-returncode}"
+
+
+def max_restarts() -> int:
+    """``FABRICLITE_MAX_RESTARTS`` as a number (0 when unset): how often ``fabric.launch()`` restarts its ranks."""
+    value = os.environ.get(MAX_RESTARTS_ENV, "0")
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"{MAX_RESTARTS_ENV}={value!r} must be a whole number, 0 or more (how often to restart).")
+    return count
 
 
 def say(message: str) -> None:

@@ -73,6 +73,32 @@ def test_a_rank_sigkilled_mid_run_restarts_the_group_which_ends_bit_identical(tm
     assert sorted(path.name for path in folder.iterdir()) == ["step-0060.ckpt", "step-0070.ckpt"]  # keep_last=2
 
 
+def test_fabric_launch_restarts_its_ranks_with_fabriclite_max_restarts(tmp_path):
+    expected = reference(tmp_path)
+    folder, out = tmp_path / "run", tmp_path / "run.pt"
+    args = [SCRIPT, str(folder), "--out", str(out), "--accelerator", "cpu", "--devices", "2", "--sleep", "0.05"]
+    child = start_python(*args, FABRICLITE_MAX_RESTARTS="1")
+    try:
+        before = read_until(child, "step 33\n", timeout=TIMEOUT)
+        os.kill(pids(before)[0], signal.SIGKILL)  # rank 0 too is a child now
+        output = before + finish(child)
+    finally:
+        sigkill(child)
+    assert child.returncode == 0, output[-3000:]
+    assert (
+        "fabriclite: rank 0 was killed by SIGKILL; stopping every rank and starting them again (restart 1 of 1)."
+        in output
+    )
+    assert_same_weights(expected, out)
+
+
+def test_a_bad_fabriclite_max_restarts_is_refused_naming_it(tmp_path):
+    args = [SCRIPT, str(tmp_path), "--out", str(tmp_path / "w.pt"), "--accelerator", "cpu", "--devices", "2"]
+    result = run_python(*args, FABRICLITE_MAX_RESTARTS="two", check=False, timeout=120)
+    assert result.returncode != 0
+    assert "FABRICLITE_MAX_RESTARTS='two' must be a whole number, 0 or more" in result.stderr
+
+
 def test_without_restarts_left_the_run_ends_with_the_dead_ranks_code_and_no_rank_lives_on(tmp_path):
     child = start_python(*run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.2"))
     try:

@@ -25,6 +25,8 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--save-every", type=int, default=10)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--asynchronous", action="store_true")
+parser.add_argument("--accelerator", default="auto")  # run without `fabriclite run`, which sets them otherwise
+parser.add_argument("--devices", default="auto")
 args = parser.parse_args()
 
 seed_everything(7, verbose=False)
@@ -33,7 +35,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 data = TensorDataset(torch.randn(400, 8), torch.randint(0, 4, (400,)))
 loader = DataLoader(data, batch_size=8, shuffle=True)
 
-fabric = Fabric()
+fabric = Fabric(accelerator=args.accelerator, devices=args.devices)
 fabric.launch()
 print(f"pid {fabric.global_rank} {os.getpid()}", flush=True)
 model, optimizer = fabric.setup(model, optimizer)
