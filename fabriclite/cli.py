@@ -2,9 +2,10 @@
 torchrun (``torch.distributed.run``), ``fabriclite consolidate`` merges a sharded checkpoint into one file, and
 ``fabriclite plot`` draws the metrics of CSVLogger runs side by side.
 
-``run`` does no process management of its own: it checks every setting, exports the ones the script's ``Fabric()``
-reads (see ``choices.apply_cli_settings``), turns the rest into torchrun's arguments and calls torchrun in this process,
-so signals reach it directly and a failed rank gives a non-zero exit code.
+``run`` checks every setting and exports the ones the script's ``Fabric()`` reads (see ``choices.apply_cli_settings``).
+On one machine it starts and watches the processes itself (``supervisor``: restarts with ``--max-restarts``,
+preemption notices); across machines it turns the settings into torchrun's arguments and calls torchrun in this
+process. Either way signals reach it directly and a failed rank gives a non-zero exit code.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ RUN_SETTINGS: dict[str, str] = {
     "main_port": "Port on the main node (default with several nodes: 29500, torchrun's default).",
     "precision": "Precision for the script's Fabric(), e.g. 32-true, bf16-mixed, 16-mixed, bf16-true "
     "(default: Fabric's own, 32-true).",
-    "max_restarts": "How often torchrun restarts every process after one failed, before giving up (default: 0).",
+    "max_restarts": "How often every process is started again after one died, before giving up (default: 0). The "
+    "script resumes with fabric.load_latest(folder, state).",
 }
 _INT_SETTINGS = ("num_nodes", "node_rank", "main_port", "max_restarts")
 _STR_SETTINGS = ("accelerator", "strategy", "main_address")
@@ -45,8 +47,11 @@ value spelled differently is accepted, and a different value raises an error nam
 
 Options go before the script; everything after the script is passed to it unchanged.
 
-torchrun (torch.distributed.run) starts and watches the processes. When one fails, it stops the others and
-`fabriclite run` exits with the failed process's exit code (128 + N when it died of signal N).
+On one machine `fabriclite run` starts and watches the processes itself; across machines torchrun
+(torch.distributed.run) does. When one fails, the others are stopped and, with --max-restarts N, all start again
+(up to N times); then `fabriclite run` exits with the failed process's exit code (128 + N when it died of signal N).
+SIGTERM or SIGUSR1 (a preemption notice) reaches every process and sets fabric.preempted; once they saved and
+exited, `fabriclite run` exits with 75 ("preempted, resumable"), or requeues the SLURM job where allowed.
 
 Examples:
   fabriclite run --accelerator cpu --devices 2 train.py --lr 0.1
@@ -278,6 +283,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
         del os.environ[name]  # a run inside a run must not inherit the outer run's settings
     os.environ.update(fabric_environment(settings))
+    if settings.get("num_nodes", 1) == 1:
+        from fabriclite.supervisor import Supervisor
+
+        command = [sys.executable, args.script, *args.script_args]
+        restarts, port = settings.get("max_restarts", 0), settings.get("main_port")
+        return Supervisor(
+            command, processes, restarts, port=port, address=settings.get("main_address", "127.0.0.1")
+        ).run()
     return _launch(torchrun_args(settings, processes, args.script, args.script_args))
 
 

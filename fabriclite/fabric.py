@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch.utils.data import DataLoader
 
-from fabriclite import checkpoint, choices
+from fabriclite import checkpoint, choices, preemption
 from fabriclite._legacy import LegacyAPI
 from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device, to_python_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
@@ -116,33 +116,14 @@ class Fabric(LegacyAPI):
         """The device this process computes on."""
         return self._strategy.root_device
 
-    @property
-    def global_rank(self) -> int:
-        return self._strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        return self._strategy.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        return self._strategy.node_rank
-
-    @property
-    def world_size(self) -> int:
-        return self._strategy.world_size
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self._strategy.is_global_zero
-
-    @property
-    def strategy(self) -> Strategy:
-        return self._strategy
-
-    @property
-    def accelerator(self) -> Accelerator:
-        return self._accelerator
+    # Where this process sits in the run, as the strategy knows it.
+    global_rank = property(lambda self: self._strategy.global_rank, doc="This process's rank among all (an int).")
+    local_rank = property(lambda self: self._strategy.local_rank, doc="This process's rank on its machine (an int).")
+    node_rank = property(lambda self: self._strategy.node_rank, doc="The rank of this process's machine (an int).")
+    world_size = property(lambda self: self._strategy.world_size, doc="How many processes the run has (an int).")
+    is_global_zero = property(lambda self: self._strategy.is_global_zero, doc="Whether this is global rank 0.")
+    strategy = property(lambda self: self._strategy, doc="The ``Strategy`` chosen at construction.")
+    accelerator = property(lambda self: self._accelerator, doc="The ``Accelerator`` chosen at construction.")
 
     @property
     def device_mesh(self) -> Any:
@@ -152,8 +133,12 @@ class Fabric(LegacyAPI):
         return self._strategy.device_mesh
 
     @property
-    def loggers(self) -> list:
-        return self._loggers
+    def preempted(self) -> bool:
+        """Whether SIGTERM or SIGUSR1 reached any rank (a collective: read it on every rank, once per step; see
+        ``fabriclite.preemption``). Usage: ``if fabric.preempted: fabric.save(path, state); break``."""
+        return preemption.agreed(self._strategy)
+
+    loggers = property(lambda self: self._loggers, doc="The loggers passed to ``Fabric(loggers=...)`` (a list).")
 
     @property
     def logger(self) -> Any:
@@ -406,18 +391,32 @@ class Fabric(LegacyAPI):
 
     # ------------------------------------------------------------------ checkpoints
     def save(
-        self, path: str | os.PathLike, state: Mapping[str, Any], filter: Mapping[str, Callable] | None = None
+        self,
+        path: str | os.PathLike,
+        state: Mapping[str, Any],
+        filter: Mapping[str, Callable] | None = None,
+        *,
+        keep_last: int | None = None,
+        asynchronous: bool = False,
     ) -> None:
         """Write ``state`` atomically: modules, optimizers, schedulers, loaders (their position) and plain values,
         plus the global random streams and the loss scaler, so ``load`` resumes bit-exactly.
-
         ``filter`` maps a key of ``state`` to ``fn(name, value) -> bool`` choosing which entries of its state_dict
-        to keep. Usage: ``fabric.save("last.ckpt", {"model": model, "optimizer": optimizer, "step": step})``.
+        to keep. ``keep_last=K`` then removes the checkpoints named like ``path`` (other numbers) beyond the K newest
+        complete ones; ``asynchronous=True`` copies the state to CPU and writes it in the background.
+        Usage: ``fabric.save(f"ckpts/step-{step}.ckpt", {"model": model, "step": step}, keep_last=3)``.
         """
         checkpoint.check_state(state, filter)
         self._check_launched("save")
-        meta = checkpoint.capture_meta(self._strategy, self._precision)
-        self._strategy.save_checkpoint(path, state, meta, filter)
+        checkpoint.save_state(self._strategy, self._precision, path, state, filter, keep_last, asynchronous)
+
+    def load_latest(self, folder: str | os.PathLike, state: dict[str, Any], strict: bool = True, **options: Any) -> Any:
+        """``load`` the newest complete checkpoint in ``folder`` into ``state`` and return its path, or return None
+        (a fresh start). Usage: ``if fabric.load_latest("ckpts", state) is None: fabric.print("fresh start")``."""
+        path = checkpoint.latest(self._strategy, folder)
+        if path is not None:
+            self.load(path, state, strict, **options)
+        return path
 
     def load(
         self,

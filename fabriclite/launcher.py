@@ -5,7 +5,8 @@ returns what this process's (or rank 0's) call returned.
 - ``InProcessLauncher``: the processes exist already (one process, or started by torchrun, SLURM, ``fabriclite
   run`` or one of the launchers below): run ``function`` here.
 - ``SubprocessLauncher``: re-runs the script once per extra process (the way Lightning does), with the rank in the
-  environment; the original process becomes rank 0. A watchdog thread in rank 0 ends every sibling as soon as one
+  environment; the original process becomes rank 0. With ``FABRICLITE_MAX_RESTARTS=N`` in the environment it runs
+  every rank as a child instead and restarts them all when one dies (``supervisor``). A watchdog thread in rank 0 ends every sibling as soon as one
   exits with an error, and each child dies with rank 0, so a failure never leaves processes hanging.
 - ``MultiprocessingLauncher`` ("ddp_spawn", "ddp_fork", "ddp_notebook"): runs ``function`` in new processes and
   returns rank 0's result. Spawned processes get ``function`` and its arguments pickled, and unpickle them once
@@ -188,6 +189,11 @@ class SubprocessLauncher:
                 "fabric.launch() was already called; it starts the processes, so call it once per Fabric."
             )
         self._started = True
+        from fabriclite.supervisor import Supervisor, max_restarts
+
+        if self.processes > 1 and max_restarts():
+            # This process only watches: every rank is its child, so the whole group can be started again.
+            sys.exit(Supervisor(_script_command(), self.processes, max_restarts()).run())
         self._start()
         return function(*args, **kwargs)
 

@@ -289,7 +289,7 @@ def test_sigterm_to_fabriclite_run_stops_every_rank_and_exits_143(tmp_path):
         time.sleep(0.2)  # let the second PID file be written in full
         pids = worker_pids(tmp_path)
         assert len(pids) == 2
-        # torchrun runs inside `fabriclite run`, so the workers' parent is the command itself.
+        # On one machine `fabriclite run` starts the workers itself: their parent is the command.
         launcher = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
         os.kill(launcher, signal.SIGTERM)
         result = running.result()

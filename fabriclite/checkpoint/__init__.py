@@ -41,6 +41,7 @@ from fabriclite.checkpoint.files import (
     replace,
     safe_load,
 )
+from fabriclite.checkpoint.latest import check_folder, check_keep_last, keep_last, newest_complete
 from fabriclite.checkpoint.sharded import LiveState, load_sharded, save_sharded, slice_like
 from fabriclite.seed import capture_rng_state, restore_rng_state
 
@@ -56,6 +57,7 @@ __all__ = [
     "describe",
     "is_checkpoint",
     "load",
+    "newest_complete",
     "safe_load",
     "save",
 ]
@@ -196,6 +198,40 @@ def save(path: str | os.PathLike, checkpoint: dict[str, Any], strategy: Any, sha
     else:
         full = map_with_path(checkpoint, torch.Tensor, lambda _, t: _gathered(t, keep=strategy.is_global_zero))
         agreed(strategy, lambda: _save_file(full, path, strategy.checkpoint_io), path)  # a failure raises on all ranks
+
+
+def save_state(
+    strategy: Any,
+    precision: Any,
+    path: str | os.PathLike,
+    state: Mapping[str, Any],
+    filter: Mapping[str, Callable] | None = None,
+    keep: int | None = None,
+    asynchronous: bool = False,
+) -> None:
+    """What ``fabric.save`` does on every rank: wait for the previous asynchronous save, add the random streams and
+    the loss scaler, write through the strategy (or in the background), then remove the checkpoints beyond the
+    ``keep`` newest complete ones named like ``path`` (``latest.keep_last``)."""
+    from fabriclite.checkpoint import background
+
+    check_keep_last(keep)
+    background.wait(strategy)
+    meta = capture_meta(strategy, precision)
+    after = None if keep is None else lambda: keep_last(path, keep)
+    if asynchronous:
+        background.start(strategy, path, to_checkpoint(state, meta, filter), _save_file, after)
+        return
+    strategy.save_checkpoint(path, state, meta, filter)
+    if after is not None and strategy.is_global_zero:
+        after()
+
+
+def latest(strategy: Any, folder: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ``folder`` as rank 0 finds it, on every rank (None: a fresh start)."""
+    from fabriclite.checkpoint import background
+
+    background.wait(strategy)
+    return agreed(strategy, lambda: newest_complete(folder), check_folder(folder), fail=lambda _, error: error)
 
 
 def load(

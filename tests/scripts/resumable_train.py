@@ -5,16 +5,14 @@ Prints "step N" after every step so a test can SIGKILL it at a chosen moment.
 
 import argparse
 import os
-import random
 import time
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
+from noisy_step import noisy_step
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--ckpt", required=True)
@@ -46,12 +44,7 @@ if os.path.exists(args.ckpt):
 for epoch in range(state["epoch"], args.epochs):
     state["epoch"] = epoch
     for x, y in loader:
-        # Draw from every global stream, so a resume that restored any of them wrongly shows in the weights.
-        x = x + 0.01 * torch.randn_like(x) * (1 + random.random()) * (1 + float(np.random.rand()))
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        fabric.backward(loss)
-        optimizer.step()
+        noisy_step(fabric, model, optimizer, x, y)
         scheduler.step()
         state["step"] += 1
         if state["step"] % args.save_every == 0:

@@ -1,0 +1,95 @@
+"""Asynchronous checkpoints (``fabric.save(..., asynchronous=True)``): the state is copied to CPU memory while
+training waits (a copy, not a write), then rank 0 writes that copy to disk in a background thread while training
+goes on.
+
+One save at a time: the next save, and ``load_latest``, first wait for the previous write to finish, and if it
+failed, every rank raises its ``CheckpointError`` there. The write is the atomic write of a synchronous save, so a
+crash or SIGKILL during it leaves the previous checkpoint the newest complete one. The interpreter waits for a
+write still running when the script ends (the thread is not a daemon).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fabriclite._collections import map_with_path
+from fabriclite.checkpoint.errors import CheckpointError, agreed, save_failure
+from fabriclite.checkpoint.files import TorchCheckpointIO, check_replaceable
+
+
+class _Write:
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.error: CheckpointError | None = None
+        self.path: Path | None = None
+
+
+_pending: _Write | None = None  # every rank sets it at the same saves: the collectives in wait() line up
+
+
+def start(strategy: Any, path: Any, checkpoint: dict[str, Any], save_file: Any, after: Any = None) -> None:
+    """Snapshot ``checkpoint`` (a collective for sharded tensors), then write it on rank 0 in a background thread
+    with ``save_file(checkpoint, path, checkpoint_io)``, then call ``after()`` there. Every rank calls it."""
+    global _pending
+    if getattr(strategy, "state_dict_type", "full") == "sharded":
+        raise ValueError(
+            "fabric.save(..., asynchronous=True) writes one file, and this strategy saves a sharded folder "
+            "(state_dict_type='sharded'). Use asynchronous=False, or state_dict_type='full'."
+        )
+    path = Path(path)
+    io = strategy.checkpoint_io
+    if isinstance(io, TorchCheckpointIO) or not path.is_file():  # the background write checks again
+        agreed(strategy, lambda: check_replaceable(path), path)
+    keep = strategy.is_global_zero
+    snapshot = map_with_path(checkpoint, torch.Tensor, lambda _, tensor: _copied(tensor, keep))
+    write = _Write()
+    write.path = path
+    _pending = write
+    if not keep:
+        return
+
+    def run() -> None:
+        try:
+            save_file(snapshot, path, io)
+            if after is not None:
+                after()
+        except BaseException as error:  # reported at the next save, on every rank
+            write.error = (
+                save_failure(path, error)
+                if isinstance(error, Exception)
+                else CheckpointError(
+                    path, "unwritable", f"Saving {str(path)!r} in the background was interrupted ({error!r})."
+                )
+            )
+
+    write.thread = threading.Thread(target=run, name="fabriclite-async-save", daemon=False)
+    write.thread.start()
+
+
+def wait(strategy: Any) -> None:
+    """Wait for the previous asynchronous save to finish; if it failed, raise its error on every rank. Every rank
+    calls it before the next save; without an asynchronous save since the last call, it does nothing."""
+    global _pending
+    write, _pending = _pending, None
+    if write is None:
+        return
+    if write.thread is not None:
+        write.thread.join()
+
+    def outcome() -> None:
+        if write.error is not None:
+            raise write.error
+
+    agreed(strategy, outcome, write.path, fail=lambda _, error: error)
+
+
+def _copied(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    if type(tensor).__name__ == "DTensor":
+        tensor = tensor.full_tensor()  # a collective: every rank walks the same tensors in the same order
+    if not keep:
+        return None
+    return tensor.detach().to("cpu", copy=True)

@@ -1,0 +1,99 @@
+"""Preemption notices: a scheduler that is about to take the machines away says so with a signal first (SLURM's
+``--signal=USR1@90``, a spot instance's SIGTERM with a deadline, ``scancel --signal=TERM``). ``fabric.preempted``
+turns that into a value the training loop checks once per step, so it can save and leave cleanly::
+
+    if fabric.preempted:
+        fabric.save(folder / f"step-{step}.ckpt", state)
+        break
+
+The first read of ``fabric.preempted`` installs handlers for SIGTERM and SIGUSR1 in that process (before it, the
+signals keep their usual effect). A handler only notes the signal; each read then agrees across ranks with one
+tiny all-reduce (the ranks may have received it at different steps, or only one of them did), so every rank sees
+True at the same step. Reading it is therefore a collective: every rank reads it, at the same place in the loop.
+Once True it stays True. A second signal ends the process the hard way (the signal's default action).
+
+After a preemption the launcher (``fabriclite run``) exits with ``PREEMPTED_EXIT_CODE``, "preempted, resumable",
+or, in a SLURM job that may be requeued, requeues it with ``scontrol requeue`` (``requeue``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import torch
+
+# sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry". Run the same command again.
+PREEMPTED_EXIT_CODE = 75
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+_received: int | None = None  # the first preemption signal this process got
+_installed = False
+_agreed = False
+
+
+def install() -> None:
+    """Note SIGTERM and SIGUSR1 instead of dying of them (a second one kills as usual). From the main thread only
+    (Python's rule for signal handlers); elsewhere it does nothing. Usage: ``install()`` once per process."""
+    global _installed
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in SIGNALS:
+        signal.signal(signum, _note)
+    _installed = True
+
+
+def _note(signum: int, frame: Any) -> None:
+    global _received
+    if _received is not None:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # the second notice: end now, as the signal would have without us
+        return
+    _received = signum
+    rank = os.environ.get("RANK", "0")
+    print(
+        f"fabriclite: rank {rank} received {signal.Signals(signum).name}; fabric.preempted becomes True at the next "
+        "step (a second signal ends the run at once).",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def agreed(strategy: Any) -> bool:
+    """Whether any rank received a preemption signal, the same on every rank (one all-reduce of one number while
+    none has; nothing after every rank agreed on True). Usage: ``if agreed(fabric.strategy): ...``."""
+    global _agreed
+    if _agreed:
+        return True
+    install()
+    noticed = _received is not None
+    if strategy.world_size > 1:
+        flag = torch.tensor([float(noticed)], device=strategy.root_device)
+        noticed = bool(strategy.all_reduce(flag, reduce_op="max").item())
+    _agreed = noticed
+    return noticed
+
+
+def requeue(say: Any = print) -> bool:
+    """In a SLURM job, ask SLURM to requeue it (``scontrol requeue $SLURM_JOB_ID``); True when it did. A job that
+    may not be requeued (``--no-requeue``, the cluster's policy) makes scontrol fail: False, and the reason said."""
+    job = os.environ.get("SLURM_JOB_ID")
+    scontrol = shutil.which("scontrol")
+    if job is None or scontrol is None:
+        return False
+    try:
+        result = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        say(f"fabriclite: could not requeue SLURM job {job} ({error}).")
+        return False
+    if result.returncode != 0:
+        reason = (result.stderr or result.stdout).strip() or f"exit code {result.returncode}"
+        say(f"fabriclite: SLURM did not requeue job {job}: {reason}.")
+        return False
+    say(f"fabriclite: requeued SLURM job {job}; it resumes from its latest checkpoint when it starts again.")
+    return True

@@ -1,0 +1,202 @@
+"""Starting every rank of a run on one machine, watching them, and starting them all again when one dies: what
+``fabriclite run`` does on a single node (instead of torchrun, whose restarted gloo group could not connect).
+
+- Each rank runs in its own session, so stopping it stops what it started too (DataLoader workers), and dies
+  within moments when this process dies, however it dies (``PR_SET_PDEATHSIG`` on Linux).
+- When a rank dies (an error, a signal, the OOM killer), every rank is stopped and the whole group starts again
+  on a fresh port, up to ``max_restarts`` times, each restart said in one line naming the rank and how it died.
+  The script resumes itself: ``fabric.load_latest(folder, state)`` at its top. ``FABRICLITE_RESTART_COUNT`` tells
+  it which attempt it is.
+- SIGTERM and SIGUSR1 (a preemption notice) are passed to every rank and end the restarts; once the ranks have
+  saved and exited, this exits with ``PREEMPTED_EXIT_CODE`` or requeues the SLURM job (see ``preemption``). A
+  second signal, or ``deadline`` seconds without the ranks ending, kills them. SIGINT is passed on likewise.
+
+Usage: ``Supervisor([sys.executable, "train.py"], processes=2, max_restarts=1).run()`` returns the exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from fabriclite.launcher import LAUNCHER_ENV, SIBLING_EXIT_GRACE_S, _die_with_parent, _exit_code, _rank_env
+from fabriclite.plugins.environments import free_port
+from fabriclite.preemption import PREEMPTED_EXIT_CODE, SIGNALS, requeue
+
+RESTART_ENV = "FABRICLITE_RESTART_COUNT"
+MAX_RESTARTS_ENV = "FABRICLITE_MAX_RESTARTS"  # for fabric.launch(), which has no command line
+DEFAULT_DEADLINE_S = 300.0  # after a preemption notice, how long the ranks may take to save and exit
+_FORWARDED = (signal.SIGINT, *SIGNALS)
+
+
+def how_it_ended(returncode: int) -> str:
+    """``returncode`` of a process in words: "exited with code 3", "was killed by SIGKILL"."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+
+
+def max_restarts() -> int:
+    """``FABRICLITE_MAX_RESTARTS`` as a number (0 when unset): how often ``fabric.launch()`` restarts its ranks."""
+    value = os.environ.get(MAX_RESTARTS_ENV, "0")
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"{MAX_RESTARTS_ENV}={value!r} must be a whole number, 0 or more (how often to restart).")
+    return count
+
+
+def say(message: str) -> None:
+    print(f"fabriclite: {message}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """Runs ``command`` as ranks 0..processes-1 of one group (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ... in
+    their environment, on top of ``env``) and restarts the group up to ``max_restarts`` times. ``port`` fixes the
+    main port (else each attempt takes a free one), ``address`` the main address (default: loopback)."""
+
+    def __init__(
+        self,
+        command: list[str],
+        processes: int,
+        max_restarts: int = 0,
+        env: dict[str, str] | None = None,
+        deadline: float = DEFAULT_DEADLINE_S,
+        port: int | None = None,
+        address: str = "127.0.0.1",
+    ) -> None:
+        if processes < 1 or max_restarts < 0:
+            raise ValueError(f"processes={processes} must be 1 or more and max_restarts={max_restarts} 0 or more.")
+        self.command = command
+        self.processes = processes
+        self.max_restarts = max_restarts
+        self.env = dict(os.environ if env is None else env)
+        self.deadline = deadline
+        self.port = port  # None: a free one for every attempt
+        self.address = address
+        self.ranks: list[subprocess.Popen] = []
+        self.signals: list[int] = []  # received, in order
+
+    def run(self) -> int:
+        """Start the ranks and return the run's exit code: 0, the failed rank's (128 + N for signal N) once the
+        restarts are used up, or ``PREEMPTED_EXIT_CODE`` after a preemption notice."""
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in _FORWARDED}
+        try:
+            for attempt in range(self.max_restarts + 1):
+                self._start(attempt)
+                code = self._watch(attempt)
+                if code is not None:
+                    return code
+            raise AssertionError("unreachable: the last attempt always returns")
+        finally:
+            self._stop()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _start(self, attempt: int) -> None:
+        port = self.port or free_port()  # a fresh store each time: nothing of the dead group is reused
+        self.ranks = []
+        for rank in range(self.processes):
+            env = {
+                **self.env,
+                **_rank_env(rank, rank, self.processes, 0, self.address, port),
+                LAUNCHER_ENV: "fabriclite run",
+                RESTART_ENV: str(attempt),
+            }
+            self.ranks.append(
+                subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            )
+
+    def _watch(self, attempt: int) -> int | None:
+        """Wait until the group ends: its exit code, or None to start it again."""
+        handled = 0
+        stop_by = None
+        while True:
+            if len(self.signals) > handled:
+                if handled:  # a second signal: the hard way
+                    name = signal.Signals(self.signals[-1]).name
+                    say(f"{name} received again; killing every rank.")
+                    self._stop()
+                    return 128 + self.signals[-1]
+                handled = 1
+                stop_by = time.monotonic() + self.deadline
+            codes = [rank.poll() for rank in self.ranks]
+            if all(code == 0 for code in codes):
+                return self._after_notice() if self.signals else 0
+            if self.signals and all(code is not None for code in codes):
+                return (
+                    self._after_notice() if all(code in (0, PREEMPTED_EXIT_CODE) for code in codes) else _first(codes)
+                )
+            if not self.signals and any(code not in (None, 0) for code in codes):
+                failed, codes = self._first_to_die()
+                how = how_it_ended(codes[failed])
+                if attempt < self.max_restarts:
+                    say(
+                        f"rank {failed} {how}; stopping every rank and starting them again "
+                        f"(restart {attempt + 1} of {self.max_restarts})."
+                    )
+                    self._stop()
+                    return None
+                left = f" (no restarts left of --max-restarts {self.max_restarts})" if self.max_restarts else ""
+                say(f"rank {failed} {how}; stopping every rank{left}.")
+                self._stop()
+                return _exit_code(codes[failed])
+            if stop_by is not None and time.monotonic() > stop_by:
+                say(f"the ranks did not exit within {self.deadline:g} s of the preemption notice; killing them.")
+                self._stop()
+                return 128 + self.signals[0]
+            time.sleep(0.1)
+
+    def _first_to_die(self) -> tuple[int, list[int | None]]:
+        # When one rank dies, the others' collectives fail a moment later, and they exit with errors of their own.
+        # Wait that moment, then name the rank killed by a signal (the OOM killer, a SIGKILL) or else the lowest.
+        deadline = time.monotonic() + SIBLING_EXIT_GRACE_S
+        codes = [rank.poll() for rank in self.ranks]
+        while not any(code is not None and code < 0 for code in codes) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            codes = [rank.poll() for rank in self.ranks]
+        failed = [index for index, code in enumerate(codes) if code not in (None, 0)]
+        killed = [index for index in failed if codes[index] < 0]
+        return (killed or failed)[0], codes
+
+    def _after_notice(self) -> int:
+        if self.signals[0] == signal.SIGINT:
+            return 128 + signal.SIGINT
+        if not requeue(say=lambda message: print(message, file=sys.stderr, flush=True)):
+            say(f"preempted; every rank exited after saving. Exit code {PREEMPTED_EXIT_CODE}: run it again to resume.")
+        return PREEMPTED_EXIT_CODE
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+        for rank in self.ranks:
+            if rank.poll() is None:
+                try:
+                    rank.send_signal(signum)  # the rank only: its DataLoader workers are its business
+                except ProcessLookupError:
+                    pass
+
+    def _stop(self) -> None:
+        """SIGKILL every rank's whole session (a rank stuck in a collective ignores anything gentler) and reap."""
+        for rank in self.ranks:
+            try:
+                os.killpg(rank.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for rank in self.ranks:
+            try:
+                rank.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                say(f"rank {self.ranks.index(rank)} (pid {rank.pid}) did not end after SIGKILL.")
+
+
+def _first(codes: list[int | None]) -> int:
+    return next((_exit_code(code) for code in codes if code not in (None, 0)), 0)

@@ -1,0 +1,168 @@
+"""fabric.load_latest resumes from the newest complete checkpoint of a folder, and keep_last keeps the K newest."""
+
+import errno
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import SCRIPTS, python_env
+
+from fabriclite import Fabric
+from fabriclite.checkpoint import CheckpointError, TorchCheckpointIO
+
+
+@pytest.fixture
+def fabric():
+    return Fabric(accelerator="cpu", devices=1)
+
+
+def names(folder):
+    return sorted(path.name for path in folder.iterdir())
+
+
+def save_steps(fabric, folder, steps, **kwargs):
+    for step in steps:
+        fabric.save(folder / f"step-{step}.ckpt", {"step": step, "weight": torch.full((4,), float(step))}, **kwargs)
+
+
+def test_load_latest_returns_none_and_leaves_state_alone_on_a_fresh_start(fabric, tmp_path):
+    state = {"step": 0}
+    assert fabric.load_latest(tmp_path / "not-yet", state) is None
+    assert fabric.load_latest(tmp_path, state) is None
+    assert state == {"step": 0}
+
+
+def test_load_latest_loads_the_newest_checkpoint_and_returns_its_path(fabric, tmp_path):
+    save_steps(fabric, tmp_path, [1, 2, 3])
+    (tmp_path / "notes.txt").write_text("a newer file that is not a checkpoint\n")
+    state = {"step": 0, "weight": None}
+    assert fabric.load_latest(tmp_path, state) == tmp_path / "step-3.ckpt"
+    assert state["step"] == 3 and torch.equal(state["weight"], torch.full((4,), 3.0))
+
+
+def test_a_newer_checkpoint_with_the_same_time_is_told_apart_by_the_number_in_its_name(fabric, tmp_path):
+    save_steps(fabric, tmp_path, [9, 10])
+    same = time.time_ns()
+    for step in (9, 10):
+        os.utime(tmp_path / f"step-{step}.ckpt", ns=(same, same))
+    assert fabric.load_latest(tmp_path, {"step": 0}) == tmp_path / "step-10.ckpt"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_damaged_newer_checkpoint_is_skipped_with_a_warning(fabric, tmp_path, capfd, damage):
+    save_steps(fabric, tmp_path, [1, 2])
+    bad = tmp_path / "step-3.ckpt"
+    data = bytearray((tmp_path / "step-2.ckpt").read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 3] ^= 0xFF  # inside a record: only its checksum shows it
+    bad.write_bytes(bytes(data))
+    state = {"step": 0}
+    assert fabric.load_latest(tmp_path, state) == tmp_path / "step-2.ckpt"
+    assert state["step"] == 2
+    if damage == "corrupt":  # a truncated zip is no checkpoint at all, so it is never even considered
+        assert "load_latest skips" in capfd.readouterr().err
+
+
+def test_load_latest_refuses_a_file_for_a_folder(fabric, tmp_path):
+    (tmp_path / "log.txt").write_text("epoch 1\n")
+    with pytest.raises(ValueError, match="expects a folder of checkpoints.*log.txt.*a text file"):
+        fabric.load_latest(tmp_path / "log.txt", {})
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_keep_last_keeps_exactly_k_complete_checkpoints_and_nothing_else_is_touched(fabric, tmp_path, asynchronous):
+    fabric.save(tmp_path / "best.ckpt", {"step": 0})  # named otherwise: not in the series
+    (tmp_path / "step-0.ckpt").write_text("the user's notes, named like a checkpoint\n")
+    (tmp_path / "step-log.txt").write_text("a log\n")
+    save_steps(fabric, tmp_path, range(1, 7), keep_last=2, asynchronous=asynchronous)
+    fabric.load_latest(tmp_path, {"step": 0})  # waits for the last asynchronous write
+    assert names(tmp_path) == ["best.ckpt", "step-0.ckpt", "step-5.ckpt", "step-6.ckpt", "step-log.txt"]
+
+
+def test_keep_last_does_not_count_a_damaged_checkpoint(fabric, tmp_path):
+    save_steps(fabric, tmp_path, [1, 2])
+    data = bytearray((tmp_path / "step-2.ckpt").read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    (tmp_path / "step-2.ckpt").write_bytes(bytes(data))
+    save_steps(fabric, tmp_path, [3], keep_last=2)
+    assert names(tmp_path) == ["step-1.ckpt", "step-2.ckpt", "step-3.ckpt"]  # 1 and 3 are the two complete ones
+    save_steps(fabric, tmp_path, [4], keep_last=2)
+    assert names(tmp_path) == ["step-3.ckpt", "step-4.ckpt"]
+
+
+@pytest.mark.parametrize("keep_last", [0, -1, 1.5, True, "2"])
+def test_keep_last_must_be_a_positive_whole_number(fabric, tmp_path, keep_last):
+    with pytest.raises(ValueError, match=f"keep_last={keep_last!r} must be a whole number"):
+        fabric.save(tmp_path / "step-1.ckpt", {"step": 1}, keep_last=keep_last)
+    assert names(tmp_path) == []
+
+
+def partials(folder):
+    return [name for name in os.listdir(folder) if name.startswith(".step-")]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_killed_mid_write_is_never_returned(fabric, tmp_path, asynchronous):
+    """A real SIGKILL lands while a 64 MB checkpoint is being written (asynchronously: in the background thread)."""
+    killed_mid_write = 0
+    for attempt in range(3):
+        folder = tmp_path / str(attempt)
+        args = [str(SCRIPTS / "save_steps.py"), str(folder)] + (["--asynchronous"] if asynchronous else [])
+        child = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True, env=python_env())
+        try:
+            # Asynchronously, save 2 returns once save 1 is written (it waits for it).
+            assert child.stdout.readline().strip() == "saved 1"
+            if asynchronous:
+                assert child.stdout.readline().strip() == "saved 2"
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and not any(
+                (folder / name).stat().st_size > 1 << 20 for name in partials(folder) if (folder / name).exists()
+            ):
+                time.sleep(0.001)
+        finally:
+            child.kill()
+            child.wait(timeout=60)
+        killed_mid_write += bool(partials(folder))
+        state = {"step": 0, "payload": None}
+        path = fabric.load_latest(folder, state)
+        assert path == folder / f"step-{state['step']}.ckpt"
+        assert state["step"] >= 1 and torch.all(state["payload"] == state["step"]), "a snapshot was not taken"
+    assert killed_mid_write >= 1, "no kill landed mid-write; the test proved nothing"
+
+
+class FullDiskIO(TorchCheckpointIO):
+    """Writes like the default until the disk is full (the error a full disk gives, raised where it would be)."""
+
+    full = False
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_an_asynchronous_save_that_fails_raises_at_the_next_save_and_leaves_the_previous_newest(tmp_path):
+    io = FullDiskIO()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    fabric.save(tmp_path / "step-1.ckpt", {"step": 1}, asynchronous=True)
+    assert fabric.load_latest(tmp_path, {"step": 0}) == tmp_path / "step-1.ckpt"  # waits for the write
+    io.full = True
+    fabric.save(tmp_path / "step-2.ckpt", {"step": 2}, asynchronous=True)  # returns before the write fails
+    with pytest.raises(CheckpointError, match="step-2.ckpt"):
+        fabric.save(tmp_path / "step-3.ckpt", {"step": 3})
+    assert names(tmp_path) == ["step-1.ckpt"]
+    io.full = False
+    assert fabric.load_latest(tmp_path, {"step": 0}) == tmp_path / "step-1.ckpt"
+
+
+def test_asynchronous_save_refuses_to_replace_a_users_file_at_once(fabric, tmp_path):
+    (tmp_path / "step-1.ckpt").write_text("not a checkpoint\n")
+    with pytest.raises(CheckpointError, match="Will not save"):
+        fabric.save(tmp_path / "step-1.ckpt", {"step": 1}, asynchronous=True)
+    fabric.save(tmp_path / "step-2.ckpt", {"step": 2}, asynchronous=True)  # no earlier failure left behind
+    assert (tmp_path / "step-1.ckpt").read_text() == "not a checkpoint\n"

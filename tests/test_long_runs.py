@@ -1,0 +1,242 @@
+"""Long runs on shared machines: `fabriclite run --max-restarts` restarts the whole group when a rank dies, a
+preemption notice (SIGTERM, SIGUSR1) makes every rank save at the same step and the run exit "preempted,
+resumable" (or requeue the SLURM job), and the resumed run ends bit-identical to one never interrupted."""
+
+import os
+import re
+import signal
+import subprocess
+import textwrap
+
+import pytest
+import torch
+from helpers import SCRIPTS, read_until, run_python, sigkill, start_python, still_running
+
+from fabriclite.preemption import PREEMPTED_EXIT_CODE
+
+SCRIPT = str(SCRIPTS / "long_run.py")
+TIMEOUT = 300
+
+
+def run_args(folder, out, *flags, strategy="ddp", restarts=0):
+    return [
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--strategy", strategy,
+        "--max-restarts", str(restarts), SCRIPT, str(folder), "--out", str(out), *flags,
+    ]  # fmt: skip
+
+
+def reference(tmp_path, strategy="ddp"):
+    """The final weights of the same run, never interrupted."""
+    run_python(*run_args(tmp_path / "ref", tmp_path / "ref.pt", strategy=strategy), timeout=TIMEOUT)
+    return torch.load(tmp_path / "ref.pt")
+
+
+def assert_same_weights(expected, path):
+    actual = torch.load(path)
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), f"{key} differs from the uninterrupted run"
+
+
+def pids(output):
+    return {int(rank): int(pid) for rank, pid in re.findall(r"pid (\d) (\d+)", output)}
+
+
+def finish(child):
+    try:
+        output, _ = child.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        sigkill(child)
+        raise AssertionError(f"the run did not end within {TIMEOUT} s") from None
+    return output
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_sigkilled_mid_run_restarts_the_group_which_ends_bit_identical(tmp_path, strategy):
+    expected = reference(tmp_path, strategy)
+    folder, out = tmp_path / "run", tmp_path / "run.pt"
+    child = start_python(*run_args(folder, out, "--sleep", "0.05", strategy=strategy, restarts=1))
+    try:
+        before = read_until(child, "step 33\n", timeout=TIMEOUT)
+        os.kill(pids(before)[1], signal.SIGKILL)
+        output = before + finish(child)
+    finally:
+        sigkill(child)
+    assert child.returncode == 0, output[-3000:]
+    assert (
+        "fabriclite: rank 1 was killed by SIGKILL; stopping every rank and starting them again (restart 1 of 1)."
+        in output
+    )
+    resumed = re.findall(r"resumed from step-(\d+)\.ckpt at step (\d+)", output)
+    assert len(resumed) == 1 and resumed[0][0].lstrip("0") == resumed[0][1] and int(resumed[0][1]) >= 20, output[-3000:]
+    assert_same_weights(expected, out)
+    assert sorted(path.name for path in folder.iterdir()) == ["step-0060.ckpt", "step-0070.ckpt"]  # keep_last=2
+
+
+def test_fabric_launch_restarts_its_ranks_with_fabriclite_max_restarts(tmp_path):
+    expected = reference(tmp_path)
+    folder, out = tmp_path / "run", tmp_path / "run.pt"
+    args = [SCRIPT, str(folder), "--out", str(out), "--accelerator", "cpu", "--devices", "2", "--sleep", "0.05"]
+    child = start_python(*args, FABRICLITE_MAX_RESTARTS="1")
+    try:
+        before = read_until(child, "step 33\n", timeout=TIMEOUT)
+        os.kill(pids(before)[0], signal.SIGKILL)  # rank 0 too is a child now
+        output = before + finish(child)
+    finally:
+        sigkill(child)
+    assert child.returncode == 0, output[-3000:]
+    assert (
+        "fabriclite: rank 0 was killed by SIGKILL; stopping every rank and starting them again (restart 1 of 1)."
+        in output
+    )
+    assert_same_weights(expected, out)
+
+
+def test_a_bad_fabriclite_max_restarts_is_refused_naming_it(tmp_path):
+    args = [SCRIPT, str(tmp_path), "--out", str(tmp_path / "w.pt"), "--accelerator", "cpu", "--devices", "2"]
+    result = run_python(*args, FABRICLITE_MAX_RESTARTS="two", check=False, timeout=120)
+    assert result.returncode != 0
+    assert "FABRICLITE_MAX_RESTARTS='two' must be a whole number, 0 or more" in result.stderr
+
+
+def test_without_restarts_left_the_run_ends_with_the_dead_ranks_code_and_no_rank_lives_on(tmp_path):
+    child = start_python(*run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.2"))
+    try:
+        before = read_until(child, "step 3\n", timeout=TIMEOUT)
+        ranks = pids(before)
+        os.kill(ranks[0], signal.SIGKILL)
+        output = before + finish(child)
+    finally:
+        sigkill(child)
+    assert child.returncode == 128 + signal.SIGKILL, output[-3000:]
+    assert "fabriclite: rank 0 was killed by SIGKILL; stopping every rank." in output
+    assert still_running(list(ranks.values()), within=30) == []
+
+
+def test_ranks_stop_within_seconds_when_the_launcher_is_sigkilled(tmp_path):
+    child = start_python(*run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.2", restarts=1))
+    try:
+        ranks = pids(read_until(child, "step 3\n", timeout=TIMEOUT))
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        assert still_running(list(ranks.values()), within=30) == []
+    finally:
+        sigkill(child)
+
+
+@pytest.mark.parametrize(
+    ("signum", "flags"), [(signal.SIGTERM, []), (signal.SIGUSR1, ["--asynchronous"])], ids=["SIGTERM", "SIGUSR1-async"]
+)
+def test_a_preemption_notice_saves_every_rank_at_one_step_and_the_rerun_ends_bit_identical(tmp_path, signum, flags):
+    expected = reference(tmp_path)
+    args = run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.05", *flags, restarts=1)
+    child = start_python(*args)
+    try:
+        before = read_until(child, "step 20\n", timeout=TIMEOUT)
+        child.send_signal(signum)
+        output = before + finish(child)
+    finally:
+        sigkill(child)
+    assert child.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", output))
+    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], output[-3000:]
+    assert f"Exit code {PREEMPTED_EXIT_CODE}: run it again to resume" in output
+    assert "restart" not in output  # a preemption is not a failure
+
+    again = run_python(*args, timeout=TIMEOUT).stdout
+    assert f"resumed from step-{int(saved['0']):04d}.ckpt at step {saved['0']}" in again, again[-3000:]
+    assert_same_weights(expected, tmp_path / "run.pt")
+
+
+FAKE_SCONTROL = """\
+#!/bin/sh
+echo "$@" >> "{log}"
+{action}
+"""
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_in_a_slurm_job_a_preempted_run_requeues_it_when_allowed(tmp_path, allowed):
+    """SLURM itself cannot run here: a stand-in `scontrol` on PATH records the call and answers as SLURM does."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "scontrol.log"
+    bin_dir.mkdir()
+    action = "exit 0" if allowed else 'echo "Requested operation not supported on this job" >&2; exit 1'
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL.format(log=log, action=action))
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    child = start_python(*run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.05"), **env)
+    try:
+        before = read_until(child, "step 5\n", timeout=TIMEOUT)
+        child.send_signal(signal.SIGUSR1)
+        output = before + finish(child)
+    finally:
+        sigkill(child)
+    assert child.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert log.read_text() == "requeue 4242\n"
+    if allowed:
+        assert "fabriclite: requeued SLURM job 4242" in output
+    else:
+        assert "SLURM did not requeue job 4242: Requested operation not supported on this job." in output
+        assert f"Exit code {PREEMPTED_EXIT_CODE}" in output
+
+
+def test_a_second_signal_kills_every_rank_at_once(tmp_path):
+    child = start_python(*run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "30"))
+    try:
+        before = read_until(child, "step 1\n", timeout=TIMEOUT)  # now every rank sleeps 30 s before it can save
+        ranks = pids(before)
+        child.send_signal(signal.SIGTERM)
+        read_until(child, "received SIGTERM", timeout=60)
+        child.send_signal(signal.SIGTERM)
+        output = before + finish(child)
+    finally:
+        sigkill(child)
+    assert child.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "SIGTERM received again; killing every rank." in output
+    assert still_running(list(ranks.values()), within=30) == []
+
+
+def test_ranks_that_do_not_exit_by_the_deadline_after_a_notice_are_killed(tmp_path):
+    rank = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
+    supervise = textwrap.dedent(f"""\
+        import sys
+        from fabriclite.supervisor import Supervisor
+        sys.exit(Supervisor([sys.executable, "-c", {rank!r}], processes=2, deadline=3).run())
+    """)
+    child = start_python("-c", supervise)
+    try:
+        read_until(child, "ready\nready\n", timeout=TIMEOUT)
+        child.send_signal(signal.SIGTERM)
+        output = finish(child)
+    finally:
+        sigkill(child)
+    assert child.returncode == 128 + signal.SIGTERM, output
+    assert "the ranks did not exit within 3 s of the preemption notice; killing them." in output
+
+
+@pytest.fixture
+def preemption_reset():
+    from fabriclite import preemption
+
+    handlers = {signum: signal.getsignal(signum) for signum in preemption.SIGNALS}
+    yield preemption
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    preemption._received, preemption._installed, preemption._agreed = None, False, False
+
+
+def test_fabric_preempted_turns_true_after_sigusr1_and_stays_true(preemption_reset):
+    from fabriclite import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    assert fabric.preempted is False  # the first read installs the handlers
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert fabric.preempted is True
+    assert fabric.preempted is True
+    assert preemption_reset._received == signal.SIGUSR1
+
+
+def test_signals_keep_their_usual_effect_until_preempted_is_read(tmp_path):
+    code = "import os, signal; from fabriclite import Fabric; Fabric(accelerator='cpu', devices=1); os.kill(os.getpid(), signal.SIGTERM); print('survived')"
+    result = run_python("-c", code, check=False, timeout=120)
+    assert result.returncode == -signal.SIGTERM and "survived" not in result.stdout
