@@ -89,8 +89,7 @@ def _norm_backward_kernel(
     x_row_stride,
     weight_ptr,
     stats_ptr,
-    dweight_partial_ptr,
-    dbias_partial_ptr,
+    partials_ptr,
     n_rows,
     n_cols,
     rows_per_program,
@@ -139,10 +138,12 @@ def _norm_backward_kernel(
             dweight += dy * x_hat
         if HAS_BIAS:
             dbias += dy
+    # partials: the weight's fp32 partial sums, one row per program, then the bias's.
     if HAS_WEIGHT:
-        tl.store(dweight_partial_ptr + program * n_cols + cols, dweight, mask=mask)
+        tl.store(partials_ptr + program * n_cols + cols, dweight, mask=mask)
+        partials_ptr += tl.num_programs(0) * n_cols
     if HAS_BIAS:
-        tl.store(dbias_partial_ptr + program * n_cols + cols, dbias, mask=mask)
+        tl.store(partials_ptr + program * n_cols + cols, dbias, mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,7 +250,6 @@ def _backward(
             x_rows if weight is None else weight,
             stats,
             partials,
-            partials[n_partials - 1] if n_partials else partials,
             n_rows,
             n_cols,
             cdiv(n_rows, programs),
@@ -262,13 +262,13 @@ def _backward(
         )
     if not n_partials:
         return dx, None, None
-    sums = partials.sum(1)  # the second reduction, in fp32
+    sums = partials.sum(1).unbind(0)  # the second reduction, in fp32
     dweight = None
     if weight is not None:
         dweight = cast(sums[0], weight.dtype)
         if weight.dim() != 1:
             dweight = dweight.view(weight.shape)
-    dbias = sums[n_partials - 1] if has_bias else None
+    dbias = sums[-1] if has_bias else None
     return dx, dweight, dbias
 
 

@@ -6,7 +6,9 @@ loss and saves m and d (two fp32 per row). The backward kernel sweeps the row on
 smoothed one-hot) * grad_output`` (divided by the mean's denominator), ``softmax = exp(x - m) / d``, so the
 probabilities are never stored: the logits are read twice and their gradient written once, in the logits' dtype, with
 no (N, C) fp32 temporary and no log-softmax. Beyond the inputs that is the gradient alone (torch eager: the
-log-softmax, its gradient and the logits' gradient).
+log-softmax, its gradient and the logits' gradient). In a model, where the logits would otherwise be freed after the
+loss, the forward keeps them for the backward, so the backward's peak holds two logits-sized buffers (the logits
+and their gradient; eager holds three); ``overwrite_logits=True`` brings that to one.
 
 With ``overwrite_logits=True`` the backward writes the gradient over the logits themselves, as Liger-Kernel does in
 its forward, and the memory beyond the inputs is O(N). That is for logits nothing else reads afterwards (a linear

@@ -21,7 +21,7 @@ from fabriclite.kernels import (
     _norm, fused_bias_gelu, fused_cross_entropy, fused_linear_cross_entropy, fused_rope, fused_swiglu,
 )
 
-FP32_POINTERS = {"loss_ptr", "n_valid_ptr", "mean_ptr", "rstd_ptr", "stats_ptr", "state_ptr", "dweight_partial_ptr", "dbias_partial_ptr"}
+FP32_POINTERS = {"loss_ptr", "n_valid_ptr", "mean_ptr", "rstd_ptr", "stats_ptr", "state_ptr", "dweight_partial_ptr", "dbias_partial_ptr", "partials_ptr"}
 BLOCKS = {"BLOCK": 1024, "BLOCK_M": 4, "BLOCK_N": 1024, "BLOCK_H": 32, "BLOCK_HALF": 64}
 KERNELS = [
     fused_cross_entropy._cross_entropy_forward_kernel, fused_cross_entropy._cross_entropy_backward_kernel,
