@@ -55,6 +55,18 @@ def test_loss_scaling_under_ddp_skips_the_same_step_on_every_rank():
         assert {("0", name), ("1", name)} <= passed(out), out[-2000:]
 
 
+def test_compile_under_ddp_compiles_each_block_in_place_without_graph_breaks_and_trains_like_eager():
+    out = run_python(str(SCRIPTS / "compile_checks.py"), "ddp", timeout=240).stdout
+    for name in (
+        "every block is compiled",
+        "the root stays eager",
+        "regional=False compiles around DDP",
+        "no graph breaks",
+        "compiled training equals eager",
+    ):
+        assert {("0", name), ("1", name)} <= passed(out), out[-2000:]
+
+
 def pid_alive(pid):
     return subprocess.run(["kill", "-0", str(pid)], capture_output=True, check=False).returncode == 0
 

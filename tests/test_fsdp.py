@@ -190,7 +190,7 @@ def test_a_directory_without_fabriclite_structure_is_refused_by_name(tmp_path):
 
 
 def test_compile_under_fsdp_compiles_each_block_and_the_root_only_when_whole_without_graph_breaks():
-    out = run_python(str(SCRIPTS / "fsdp_compile.py"), timeout=240).stdout
+    out = run_python(str(SCRIPTS / "compile_checks.py"), timeout=240).stdout
     for name in (
         "every block is compiled",
         "the root stays eager",

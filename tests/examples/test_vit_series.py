@@ -125,7 +125,8 @@ def test_run_all_quick_runs_the_series_and_writes_the_table_and_the_chart(tmp_pa
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if cells[0].endswith(".py"):
             rows[cells[0]] = cells
-    scripts = sorted(path.name for path in VIT.glob("[0-9][0-9]_*.py") if not path.name.startswith("02"))
+    # The series is 00-09; 10 (the talk's ViT-B/16 run, on CIFAR-10) runs on its own: tests/examples/test_vit_talk.py.
+    scripts = sorted(path.name for path in VIT.glob("0[0-9]_*.py") if not path.name.startswith("02"))
     assert len(scripts) == 10 and sorted(rows) == scripts, table
     for name, cells in rows.items():
         assert re.fullmatch(r"\d+\.\d", cells[2]), f"{name} has no time: {cells}"
