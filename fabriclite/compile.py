@@ -79,7 +79,7 @@ def compile_model(
 
 
 def _regions(module: torch.nn.Module) -> list[torch.nn.Module]:
-    from fabriclite.strategies.fsdp import repeated_blocks  # lazily: FSDP's imports are heavy
+    from fabriclite.strategies.sharding import repeated_blocks  # lazily: it imports FSDP2
 
     # A repeated single layer (the Linears of an nn.Sequential MLP) is not worth a region: the rest would run eager.
     return [block for block in repeated_blocks(module) if next(block.children(), None) is not None]
