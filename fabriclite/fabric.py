@@ -92,7 +92,6 @@ class Fabric(LegacyAPI):
         self._loggers = as_list(loggers)
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
         self._backward_ready = self._precision.scaler is None
-        self._loss_checked = False  # the first backward asks the strategy whether the loss can train (DDP)
         # The processes exist already (one process, or started by torchrun, SLURM, `fabriclite run` or our own
         # launcher): join them now, so launch() is optional. Otherwise launch() starts them.
         self._launched = not self._strategy.launcher.starts_processes
@@ -264,17 +263,14 @@ class Fabric(LegacyAPI):
 
     # ------------------------------------------------------------------ the training step
     def backward(self, tensor: torch.Tensor, *args: Any, model: _FabricModule | None = None, **kwargs: Any) -> None:
-        """Replace ``loss.backward()``: scales the loss when the precision uses a loss scaler.
-
-        Usage: ``fabric.backward(loss)``.
-        """
+        """Replace ``loss.backward()``: scales the loss when the precision uses a loss scaler; the first call lets the
+        strategy check that the loss can train (DDP: it comes from a set-up model). Usage: ``fabric.backward(loss)``."""
         if not self._backward_ready:
             raise RuntimeError(
                 f"precision={self._precision.name!r} scales the loss, and only an optimizer returned by fabric.setup "
                 "unscales the gradients again. Call `model, optimizer = fabric.setup(model, optimizer)` before backward."
             )
-        if not self._loss_checked:  # once, not per step: the graph walk is not free
-            self._loss_checked = True
+        if self._strategy.loss_unchecked:  # the first backward only: the check walks the autograd graph
             self._strategy.check_loss(tensor)
         self._precision.backward(tensor, *args, **kwargs)
 

@@ -45,7 +45,10 @@ class DDPStrategy(ParallelStrategy):
         self._check_set_up(params, f"This {type(optimizer).__name__} optimizer updates", ValueError)
         return optimizer
 
+    loss_unchecked = True  # the first backward checks where its loss came from, once
+
     def check_loss(self, loss: torch.Tensor) -> None:
+        self.loss_unchecked = False
         self._check_set_up(_parameters_behind(loss), "This loss comes from", RuntimeError)
 
     def _check_set_up(self, params: list[torch.Tensor], what: str, error: type[Exception]) -> None:

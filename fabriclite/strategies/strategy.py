@@ -107,9 +107,12 @@ class Strategy:
         """Adapt an optimizer to the strategy (FSDP points it at the sharded parameters); others return it."""
         return optimizer
 
+    # Whether the next fabric.backward calls check_loss; a strategy with something to check sets it, check_loss clears it.
+    loss_unchecked = False
+
     def check_loss(self, loss: torch.Tensor) -> None:
-        """Called by the first ``fabric.backward``: raise or warn when ``loss`` cannot train as this strategy
-        expects (DDP: it comes from parameters of no set-up model). Nothing to check on one device."""
+        """Called by the first ``fabric.backward`` while ``loss_unchecked``: raise or warn when ``loss`` cannot train
+        as this strategy expects (DDP: it comes from parameters of no set-up model). Nothing to check on one device."""
 
     def module_init_context(self, empty_init: bool | None = None) -> ContextManager:
         """Where modules are built: on the root device; with ``empty_init`` the weight init functions are skipped
