@@ -92,6 +92,8 @@ class Supervisor:
         previous = {signum: signal.signal(signum, self._on_signal) for signum in _FORWARDED}
         try:
             for attempt in range(self.max_restarts + 1):
+                if self.signals:  # a notice came while the group was being restarted: do not start it again
+                    return 128 + self.signals[0]
                 self._start(attempt)
                 code = self._watch(attempt)
                 if code is not None:
@@ -110,6 +112,8 @@ class Supervisor:
                 **self.env,
                 **_rank_env(rank, rank, self.processes, 0, self.address, port),
                 LAUNCHER_ENV: "fabriclite run",
+                "LOCAL_WORLD_SIZE": str(self.processes),  # as torchrun sets them, for scripts that read them
+                "GROUP_RANK": "0",
                 RESTART_ENV: str(attempt),
             }
             self.ranks.append(

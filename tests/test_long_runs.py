@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import SCRIPTS, read_until, run_python, sigkill, start_python, still_running
+from helpers import ROOT, SCRIPTS, read_until, run_python, sigkill, start_python, still_running
 
 from fabriclite.preemption import PREEMPTED_EXIT_CODE
 
@@ -225,3 +225,28 @@ def test_signals_keep_their_usual_effect_until_preempted_is_read(tmp_path):
     code = "import os, signal; from fabriclite import Fabric; Fabric(accelerator='cpu', devices=1); os.kill(os.getpid(), signal.SIGTERM); print('survived')"
     result = run_python("-c", code, check=False, timeout=120)
     assert result.returncode == -signal.SIGTERM and "survived" not in result.stdout
+
+
+def docs_script(tmp_path):
+    """The script of docs/long-runs.md, made to run in the folder given as its first argument."""
+    page = (ROOT / "docs" / "long-runs.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "long_run.py"
+    script.write_text("import os, sys\nos.chdir(sys.argv[1])\n" + code)
+    return str(script)
+
+
+def test_the_docs_script_preempted_by_sigterm_exits_75_and_resumes_bit_identical(tmp_path):
+    script = docs_script(tmp_path)
+    command = ["-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--max-restarts", "1", script]
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "run").mkdir()
+    run_python(*command, str(tmp_path / "ref"), timeout=TIMEOUT)
+    code, output, _ = interrupted([*command, str(tmp_path / "run")], "saved step 20\n", send(signal.SIGTERM))
+    assert code == PREEMPTED_EXIT_CODE, output[-3000:]
+    step = re.findall(r"preempted: saved at step (\d+)", output)
+    assert len(step) == 1, output[-3000:]
+    again = run_python(*command, str(tmp_path / "run"), timeout=TIMEOUT).stdout
+    assert f"resumed from checkpoints/step-{int(step[0]):06d}.ckpt at step {step[0]}" in again, again[-3000:]
+    assert_same_weights(torch.load(tmp_path / "ref" / "final.pt"), tmp_path / "run" / "final.pt")
+    assert len(list((tmp_path / "run" / "checkpoints").iterdir())) == 3  # keep_last=3
