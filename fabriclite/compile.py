@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from fabriclite._blocks import repeated_blocks
+
 # After this many forward calls the watch stops: recompiling still then means shapes change every step.
 _WATCHED_CALLS = 8
 _RECOMPILES_BEFORE_WARNING = 3
@@ -79,8 +81,6 @@ def compile_model(
 
 
 def _regions(module: torch.nn.Module) -> list[torch.nn.Module]:
-    from fabriclite.strategies.sharding import repeated_blocks  # lazily: it imports FSDP2
-
     # A repeated single layer (the Linears of an nn.Sequential MLP) is not worth a region: the rest would run eager.
     return [block for block in repeated_blocks(module) if next(block.children(), None) is not None]
 

@@ -189,11 +189,6 @@ class SubprocessLauncher:
                 "fabric.launch() was already called; it starts the processes, so call it once per Fabric."
             )
         self._started = True
-        from fabriclite.supervisor import Supervisor, max_restarts
-
-        if self.processes > 1 and max_restarts():
-            # This process only watches: every rank is its child, so the whole group can be started again.
-            sys.exit(Supervisor(_script_command(), self.processes, max_restarts()).run())
         self._start()
         return function(*args, **kwargs)
 

@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from typing import Any
 
@@ -56,12 +55,11 @@ def _note(signum: int, frame: Any) -> None:
         return
     _received = signum
     rank = os.environ.get("RANK", "0")
-    print(
+    message = (
         f"fabriclite: rank {rank} received {signal.Signals(signum).name}; fabric.preempted becomes True at the next "
-        "step (a second signal ends the run at once).",
-        file=sys.stderr,
-        flush=True,
+        "step (a second signal ends the run at once).\n"
     )
+    os.write(2, message.encode())  # not print(): the main thread may be inside a print right now
 
 
 def agreed(strategy: Any) -> bool:

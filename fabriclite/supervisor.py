@@ -23,7 +23,14 @@ import sys
 import time
 from typing import Any
 
-from fabriclite.launcher import LAUNCHER_ENV, SIBLING_EXIT_GRACE_S, _die_with_parent, _exit_code, _rank_env
+from fabriclite.launcher import (
+    LAUNCHER_ENV,
+    SIBLING_EXIT_GRACE_S,
+    _die_with_parent,
+    _exit_code,
+    _rank_env,
+    _script_command,
+)
 from fabriclite.plugins.environments import free_port
 from fabriclite.preemption import PREEMPTED_EXIT_CODE, SIGNALS, requeue
 
@@ -53,6 +60,23 @@ def max_restarts() -> int:
     if count < 0:
         raise ValueError(f"{MAX_RESTARTS_ENV}={value!r} must be a whole number, 0 or more (how often to restart).")
     return count
+
+
+class SupervisedLauncher:
+    """``fabric.launch()`` with ``FABRICLITE_MAX_RESTARTS=N``: this process only watches; every rank, rank 0
+    included, is its child, so the whole group can be started again when one dies. Usage: via ``fabric.launch()``."""
+
+    starts_processes = True
+    needs_function = False
+
+    def __init__(self, processes: int, restarts: int) -> None:
+        self.processes = processes
+        self.restarts = restarts
+        self.children: list[subprocess.Popen] = []  # the Supervisor owns the ranks; nothing for the strategy to stop
+
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run the script as every rank under a Supervisor and exit with its code; ``function`` runs in the ranks."""
+        sys.exit(Supervisor(_script_command(), self.processes, self.restarts).run())
 
 
 def say(message: str) -> None:
@@ -92,6 +116,8 @@ class Supervisor:
         previous = {signum: signal.signal(signum, self._on_signal) for signum in _FORWARDED}
         try:
             for attempt in range(self.max_restarts + 1):
+                if self.signals:  # a notice came while the group was being restarted: do not start it again
+                    return 128 + self.signals[0]
                 self._start(attempt)
                 code = self._watch(attempt)
                 if code is not None:
@@ -110,6 +136,8 @@ class Supervisor:
                 **self.env,
                 **_rank_env(rank, rank, self.processes, 0, self.address, port),
                 LAUNCHER_ENV: "fabriclite run",
+                "LOCAL_WORLD_SIZE": str(self.processes),  # as torchrun sets them, for scripts that read them
+                "GROUP_RANK": "0",
                 RESTART_ENV: str(attempt),
             }
             self.ranks.append(

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import SCRIPTS, read_until, run_python, sigkill, start_python, still_running
+from helpers import ROOT, SCRIPTS, read_until, run_python, sigkill, start_python, still_running
 
 from fabriclite.preemption import PREEMPTED_EXIT_CODE
 
@@ -51,18 +51,35 @@ def finish(child):
     return output
 
 
+def interrupted(args, at, act, **env):
+    """Start ``python *args``, wait for the output line ``at``, call ``act(child, ranks)`` (``ranks``: rank -> PID
+    from the "pid" lines so far), and wait for the run to end; return (its exit code, its output, ``ranks``)."""
+    child = start_python(*args, **env)
+    try:
+        before = read_until(child, at, timeout=TIMEOUT)
+        ranks = pids(before)
+        act(child, ranks)
+        output = before + finish(child)
+    finally:
+        sigkill(child)
+    return child.returncode, output, ranks
+
+
+def kill_rank(rank):
+    return lambda child, ranks: os.kill(ranks[rank], signal.SIGKILL)
+
+
+def send(signum):
+    return lambda child, ranks: child.send_signal(signum)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_rank_sigkilled_mid_run_restarts_the_group_which_ends_bit_identical(tmp_path, strategy):
     expected = reference(tmp_path, strategy)
     folder, out = tmp_path / "run", tmp_path / "run.pt"
-    child = start_python(*run_args(folder, out, "--sleep", "0.05", strategy=strategy, restarts=1))
-    try:
-        before = read_until(child, "step 33\n", timeout=TIMEOUT)
-        os.kill(pids(before)[1], signal.SIGKILL)
-        output = before + finish(child)
-    finally:
-        sigkill(child)
-    assert child.returncode == 0, output[-3000:]
+    args = run_args(folder, out, "--sleep", "0.05", strategy=strategy, restarts=1)
+    code, output, _ = interrupted(args, "step 33\n", kill_rank(1))
+    assert code == 0, output[-3000:]
     assert (
         "fabriclite: rank 1 was killed by SIGKILL; stopping every rank and starting them again (restart 1 of 1)."
         in output
@@ -77,14 +94,8 @@ def test_fabric_launch_restarts_its_ranks_with_fabriclite_max_restarts(tmp_path)
     expected = reference(tmp_path)
     folder, out = tmp_path / "run", tmp_path / "run.pt"
     args = [SCRIPT, str(folder), "--out", str(out), "--accelerator", "cpu", "--devices", "2", "--sleep", "0.05"]
-    child = start_python(*args, FABRICLITE_MAX_RESTARTS="1")
-    try:
-        before = read_until(child, "step 33\n", timeout=TIMEOUT)
-        os.kill(pids(before)[0], signal.SIGKILL)  # rank 0 too is a child now
-        output = before + finish(child)
-    finally:
-        sigkill(child)
-    assert child.returncode == 0, output[-3000:]
+    code, output, _ = interrupted(args, "step 33\n", kill_rank(0), FABRICLITE_MAX_RESTARTS="1")  # a child too
+    assert code == 0, output[-3000:]
     assert (
         "fabriclite: rank 0 was killed by SIGKILL; stopping every rank and starting them again (restart 1 of 1)."
         in output
@@ -100,15 +111,9 @@ def test_a_bad_fabriclite_max_restarts_is_refused_naming_it(tmp_path):
 
 
 def test_without_restarts_left_the_run_ends_with_the_dead_ranks_code_and_no_rank_lives_on(tmp_path):
-    child = start_python(*run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.2"))
-    try:
-        before = read_until(child, "step 3\n", timeout=TIMEOUT)
-        ranks = pids(before)
-        os.kill(ranks[0], signal.SIGKILL)
-        output = before + finish(child)
-    finally:
-        sigkill(child)
-    assert child.returncode == 128 + signal.SIGKILL, output[-3000:]
+    args = run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.2")
+    code, output, ranks = interrupted(args, "step 3\n", kill_rank(0))
+    assert code == 128 + signal.SIGKILL, output[-3000:]
     assert "fabriclite: rank 0 was killed by SIGKILL; stopping every rank." in output
     assert still_running(list(ranks.values()), within=30) == []
 
@@ -130,14 +135,8 @@ def test_ranks_stop_within_seconds_when_the_launcher_is_sigkilled(tmp_path):
 def test_a_preemption_notice_saves_every_rank_at_one_step_and_the_rerun_ends_bit_identical(tmp_path, signum, flags):
     expected = reference(tmp_path)
     args = run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.05", *flags, restarts=1)
-    child = start_python(*args)
-    try:
-        before = read_until(child, "step 20\n", timeout=TIMEOUT)
-        child.send_signal(signum)
-        output = before + finish(child)
-    finally:
-        sigkill(child)
-    assert child.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    code, output, _ = interrupted(args, "step 20\n", send(signum))
+    assert code == PREEMPTED_EXIT_CODE, output[-3000:]
     saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", output))
     assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], output[-3000:]
     assert f"Exit code {PREEMPTED_EXIT_CODE}: run it again to resume" in output
@@ -164,14 +163,9 @@ def test_in_a_slurm_job_a_preempted_run_requeues_it_when_allowed(tmp_path, allow
     (bin_dir / "scontrol").write_text(FAKE_SCONTROL.format(log=log, action=action))
     (bin_dir / "scontrol").chmod(0o755)
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
-    child = start_python(*run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.05"), **env)
-    try:
-        before = read_until(child, "step 5\n", timeout=TIMEOUT)
-        child.send_signal(signal.SIGUSR1)
-        output = before + finish(child)
-    finally:
-        sigkill(child)
-    assert child.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    args = run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.05")
+    code, output, _ = interrupted(args, "step 5\n", send(signal.SIGUSR1), **env)
+    assert code == PREEMPTED_EXIT_CODE, output[-3000:]
     assert log.read_text() == "requeue 4242\n"
     if allowed:
         assert "fabriclite: requeued SLURM job 4242" in output
@@ -181,36 +175,27 @@ def test_in_a_slurm_job_a_preempted_run_requeues_it_when_allowed(tmp_path, allow
 
 
 def test_a_second_signal_kills_every_rank_at_once(tmp_path):
-    child = start_python(*run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "30"))
-    try:
-        before = read_until(child, "step 1\n", timeout=TIMEOUT)  # now every rank sleeps 30 s before it can save
-        ranks = pids(before)
-        child.send_signal(signal.SIGTERM)
+    def twice(child, ranks):
+        child.send_signal(signal.SIGTERM)  # every rank now sleeps 30 s before it can save
         read_until(child, "received SIGTERM", timeout=60)
         child.send_signal(signal.SIGTERM)
-        output = before + finish(child)
-    finally:
-        sigkill(child)
-    assert child.returncode == 128 + signal.SIGTERM, output[-3000:]
+
+    args = run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "30")
+    code, output, ranks = interrupted(args, "step 1\n", twice)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
     assert "SIGTERM received again; killing every rank." in output
     assert still_running(list(ranks.values()), within=30) == []
 
 
-def test_ranks_that_do_not_exit_by_the_deadline_after_a_notice_are_killed(tmp_path):
+def test_ranks_that_do_not_exit_by_the_deadline_after_a_notice_are_killed():
     rank = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
     supervise = textwrap.dedent(f"""\
         import sys
         from fabriclite.supervisor import Supervisor
         sys.exit(Supervisor([sys.executable, "-c", {rank!r}], processes=2, deadline=3).run())
     """)
-    child = start_python("-c", supervise)
-    try:
-        read_until(child, "ready\nready\n", timeout=TIMEOUT)
-        child.send_signal(signal.SIGTERM)
-        output = finish(child)
-    finally:
-        sigkill(child)
-    assert child.returncode == 128 + signal.SIGTERM, output
+    code, output, _ = interrupted(["-c", supervise], "ready", send(signal.SIGTERM))
+    assert code == 128 + signal.SIGTERM, output
     assert "the ranks did not exit within 3 s of the preemption notice; killing them." in output
 
 
@@ -240,3 +225,28 @@ def test_signals_keep_their_usual_effect_until_preempted_is_read(tmp_path):
     code = "import os, signal; from fabriclite import Fabric; Fabric(accelerator='cpu', devices=1); os.kill(os.getpid(), signal.SIGTERM); print('survived')"
     result = run_python("-c", code, check=False, timeout=120)
     assert result.returncode == -signal.SIGTERM and "survived" not in result.stdout
+
+
+def docs_script(tmp_path):
+    """The script of docs/long-runs.md, made to run in the folder given as its first argument."""
+    page = (ROOT / "docs" / "long-runs.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "long_run.py"
+    script.write_text("import os, sys\nos.chdir(sys.argv[1])\n" + code)
+    return str(script)
+
+
+def test_the_docs_script_preempted_by_sigterm_exits_75_and_resumes_bit_identical(tmp_path):
+    script = docs_script(tmp_path)
+    command = ["-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--max-restarts", "1", script]
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "run").mkdir()
+    run_python(*command, str(tmp_path / "ref"), timeout=TIMEOUT)
+    code, output, _ = interrupted([*command, str(tmp_path / "run")], "saved step 20\n", send(signal.SIGTERM))
+    assert code == PREEMPTED_EXIT_CODE, output[-3000:]
+    step = re.findall(r"preempted: saved at step (\d+)", output)
+    assert len(step) == 1, output[-3000:]
+    again = run_python(*command, str(tmp_path / "run"), timeout=TIMEOUT).stdout
+    assert f"resumed from checkpoints/step-{int(step[0]):06d}.ckpt at step {step[0]}" in again, again[-3000:]
+    assert_same_weights(torch.load(tmp_path / "ref" / "final.pt"), tmp_path / "run" / "final.pt")
+    assert len(list((tmp_path / "run" / "checkpoints").iterdir())) == 3  # keep_last=3

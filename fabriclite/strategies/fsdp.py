@@ -37,6 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fabriclite import checkpoint
+from fabriclite._blocks import repeated_blocks  # also importable from here, where it lived first
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.plugins.environments import ClusterEnvironment
 from fabriclite.strategies.mesh import sharding_choice, sharding_mesh
@@ -48,7 +49,6 @@ from fabriclite.strategies.sharding import (
     named_tensors,
     no_gradient_sync,
     rank_zero_init,
-    repeated_blocks,  # also importable from here, where it lived first
 )
 
 STATE_DICT_TYPES = ("sharded", "full")

@@ -1,14 +1,13 @@
-"""What the sharding strategies (``FSDPStrategy`` and ``ModelParallelStrategy``) share: choosing the units
-(``repeated_blocks``, the layer-class policies), building the model on rank 0 alone (``rank_zero_init``), and
-skipping the gradient reduction of FSDP units (``no_gradient_sync``).
+"""What the sharding strategies (``FSDPStrategy`` and ``ModelParallelStrategy``) share: choosing the units (the
+layer-class policies; the default units, ``repeated_blocks``, are in ``fabriclite._blocks``), building the model on
+rank 0 alone (``rank_zero_init``), and skipping the gradient reduction of FSDP units (``no_gradient_sync``).
 
-Usage: ``units = repeated_blocks(model)``; ``with rank_zero_init(strategy): model = build()``.
+Usage: ``with rank_zero_init(strategy): model = build()``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Union
@@ -23,29 +22,6 @@ ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bo
 
 
 # ---------------------------------------------------------------------- choosing the units
-def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The blocks that repeat: children of an ``nn.ModuleList``/``nn.Sequential`` whose class (with parameters)
-    appears there more than once, outermost only (a block's own layers are not searched).
-
-    Usage: ``repeated_blocks(vit)`` -> the transformer blocks.
-    """
-    blocks: list[nn.Module] = []
-
-    def visit(parent: nn.Module) -> None:
-        repeated: set[type] = set()
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            counts = Counter(type(c) for c in parent.children() if next(c.parameters(), None) is not None)
-            repeated = {cls for cls, n in counts.items() if n > 1}
-        for child in parent.children():
-            if type(child) in repeated:
-                blocks.append(child)
-            else:
-                visit(child)
-
-    visit(module)
-    return blocks
-
-
 def module_policy(policy: ModulePolicy, what: str) -> Callable[[nn.Module], bool] | None:
     """``policy`` (layer classes or a ``module -> bool`` function; ``what`` names the argument) as a function."""
     if policy is None:
