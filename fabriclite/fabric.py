@@ -489,8 +489,8 @@ class Fabric(LegacyAPI):
 
     @staticmethod
     def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
-        """Seed every global generator; see ``fabriclite.seed_everything``."""
-        return _seed_everything(seed=seed, workers=bool(workers), verbose=verbose)
+        """Seed every global generator, and loader workers unless ``workers=False`` (as Lightning); see ``seed.py``."""
+        return _seed_everything(seed=seed, workers=True if workers is None else workers, verbose=verbose)
 
     def __repr__(self) -> str:
         return f"Fabric(accelerator={self._accelerator!r}, strategy={self._strategy!r}, precision={self._precision!r})"

@@ -15,11 +15,26 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import warnings
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+
+
+class _StderrUntilConfigured(logging.Handler):
+    """Prints fabriclite's log records (INFO and up, as Lightning Fabric's logger does) to the ``sys.stderr`` of the
+    moment, while the application has configured no logging; once the root logger has a handler, records reach
+    the application's handlers only, never twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            print(self.format(record), file=sys.stderr)
+
+
 log = logging.getLogger("fabriclite")
+log.setLevel(logging.INFO)
+log.addHandler(_StderrUntilConfigured())
 
 
 def _rank_from_environment() -> int:

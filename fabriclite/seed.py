@@ -4,9 +4,9 @@ random streams, for checkpoints (every rank resumes drawing the same numbers) an
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -14,28 +14,48 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from fabriclite.rank_zero import rank_zero_warn
+
 _MAX_SEED = 2**32 - 1
+log = logging.getLogger("fabriclite.utilities.seed")
 
 
-def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+def seed_everything(seed: Any = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed Python's ``random``, NumPy and torch (CPU and every CUDA device); return the seed used.
 
+    ``seed`` is anything ``int()`` takes (a NumPy integer, a float, a string of digits), between 0 and 2**32 - 1.
     ``seed=None`` reads the ``FABRICLITE_GLOBAL_SEED`` (or Lightning's ``PL_GLOBAL_SEED``) environment variable,
-    else uses 0. The seed is exported in both variables so processes launched later see it. With ``workers=True``,
-    ``fabric.setup_dataloaders`` gives loaders without a ``worker_init_fn`` ``pl_worker_init_function``, which
-    seeds ``random``, NumPy and torch in each worker from the loader's base seed, the worker and the global rank.
+    else uses 0 with a "No seed found" warning. The seed is exported in both variables so processes launched later
+    see it. With ``workers=True`` (``fabric.seed_everything``'s default), ``fabric.setup_dataloaders`` gives loaders
+    without a ``worker_init_fn`` ``pl_worker_init_function``, which seeds ``random``, NumPy and torch in each
+    worker from the loader's base seed, the worker and the global rank. "Seed set to N" is logged at INFO on the
+    ``fabriclite.utilities.seed`` logger (Lightning's logger name with the import swapped).
     Usage: ``seed_everything(42)``.
     """
     if seed is None:
-        text = os.environ.get("FABRICLITE_GLOBAL_SEED", os.environ.get("PL_GLOBAL_SEED", "0"))
+        name = "FABRICLITE_GLOBAL_SEED" if "FABRICLITE_GLOBAL_SEED" in os.environ else "PL_GLOBAL_SEED"
+        text = os.environ.get(name)
+        if text is None:
+            seed = 0
+            if verbose:
+                rank_zero_warn(f"No seed found, seed set to {seed}")
+        else:
+            try:
+                seed = int(text)
+            except ValueError:
+                raise ValueError(f"Invalid seed specified via {name}: {text!r} is not an integer.") from None
+    elif isinstance(seed, bool):  # an int to Python (Lightning seeds 1), but most likely meant as workers=True
+        raise ValueError(f"seed={seed!r} is not valid: expected an int between 0 and {_MAX_SEED} (or workers={seed}?).")
+    elif not isinstance(seed, int):
         try:
-            seed = int(text)
-        except ValueError:
-            raise ValueError(f"The seed in the environment, {text!r}, is not an integer.") from None
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
-        raise ValueError(f"seed={seed!r} is not valid: expected an int between 0 and {_MAX_SEED}.")
+            seed = int(seed)  # as Lightning: np.int64(3), 3.7 and "3" give 3
+        except (TypeError, ValueError) as error:  # the type Lightning's bare int() raises
+            expected = f"expected an int between 0 and {_MAX_SEED}, or what int() turns into one"
+            raise type(error)(f"seed={seed!r} is not valid: {expected}.") from None
+    if not 0 <= seed <= _MAX_SEED:
+        raise ValueError(f"seed={seed} is not in bounds: NumPy accepts seeds from 0 to {_MAX_SEED}.")
     if verbose:
-        print(f"{_rank_prefix()}Seed set to {seed}", file=sys.stderr)
+        log.info(f"{_rank_prefix()}Seed set to {seed}")
     os.environ["FABRICLITE_GLOBAL_SEED"] = os.environ["PL_GLOBAL_SEED"] = str(seed)
     os.environ["PL_SEED_WORKERS"] = str(int(workers))
     random.seed(seed)

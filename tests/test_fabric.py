@@ -117,7 +117,7 @@ def test_seed_everything_makes_draws_repeat_and_returns_the_seed(monkeypatch):
     assert seed_everything(verbose=False) == 5
 
 
-@pytest.mark.parametrize("seed", [-1, 2**32, "7", 1.5])
+@pytest.mark.parametrize("seed", [-1, 2**32, "seven", True])  # "7" and 1.5 are converted, as Lightning does
 def test_seed_everything_refuses_invalid_seeds(seed):
     with pytest.raises(ValueError, match="seed="):
         seed_everything(seed)

@@ -1,5 +1,8 @@
+import json
 import warnings
+from importlib.util import find_spec
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -7,6 +10,7 @@ from torch import nn
 import fabriclite.plugins.precision as precision_module
 from fabriclite import Fabric
 from fabriclite.plugins.precision import select_precision
+from helpers import run_python
 
 
 def tiny():
@@ -14,8 +18,15 @@ def tiny():
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
+def cpu_fabric(precision):
+    """A CPU Fabric in ``precision``; "16-mixed" through the plugin, since the string means bf16 on a CPU."""
+    if precision == "16-mixed":
+        return Fabric(accelerator="cpu", plugins=[precision_module.MixedPrecision("16-mixed", "cpu")])
+    return Fabric(accelerator="cpu", precision=precision)
+
+
 def setup(precision, model=None):
-    fabric = Fabric(accelerator="cpu", precision=precision)
+    fabric = cpu_fabric(precision)
     model = model or tiny()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapped_model, wrapped_opt = fabric.setup(model, optimizer)
@@ -50,14 +61,93 @@ def test_true_precisions_convert_weights_and_inputs(name, dtype):
     assert out.dtype == torch.float32
 
 
-def test_16_mixed_on_cpu_warns_once_that_it_is_slow_and_suggests_bf16(monkeypatch):
-    monkeypatch.setattr(precision_module, "_warned_cpu_fp16", False)
-    with pytest.warns(UserWarning, match="bf16-mixed"):
-        Fabric(accelerator="cpu", precision="16-mixed")
+class ExpectsDtype(nn.Module):
+    """Records the dtype of the input its forward receives, and whether autocast is on there."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.seen = []
+
+    def forward(self, x, scale=None):
+        self.seen.append((x.dtype, None if scale is None else scale.dtype, torch.is_autocast_enabled("cpu")))
+        return self.layer(x)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
+def test_mixed_precision_casts_floating_inputs_to_the_autocast_dtype(precision, dtype):
+    fabric = cpu_fabric(precision)
+    module = ExpectsDtype()
+    model = fabric.setup(module)
+    ids = torch.arange(3)
+    out = model(torch.rand(3, 4), scale=torch.ones(1, dtype=torch.float64))
+    assert module.seen == [(dtype, dtype, True)]
+    assert out.dtype == torch.float32
+    assert model.module.layer(torch.rand(1, 4)).dtype == torch.float32  # only the forward's inputs, not the weights
+    assert fabric._precision.convert_input(((ids,), {})) == ((ids,), {})  # integers stay as they are
+
+
+def test_a_float64_batch_from_numpy_trains_under_bf16_mixed():
+    fabric = cpu_fabric("bf16-mixed")
+    module = nn.Linear(4, 2)
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    before = module.weight.detach().clone()
+    batch = torch.from_numpy(np.random.default_rng(0).random((8, 4)))  # float64
+    fabric.backward(model(batch).pow(2).mean())
+    optimizer.step()
+    assert module.weight.dtype == torch.float32 and not torch.equal(module.weight, before)
+
+
+def test_16_mixed_on_cpu_warns_in_lightnings_words_and_becomes_bf16_mixed():
+    with pytest.warns(
+        UserWarning,
+        match=r"precision='16-mixed'\)` but AMP with fp16 is not supported on CPU. Using `precision='bf16-mixed'",
+    ):
+        fabric = Fabric(accelerator="cpu", precision="16-mixed")
+    assert fabric._precision.name == "bf16-mixed" and fabric._precision.scaler is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fabric = Fabric(accelerator="cpu", precision="16-mixed")
-    assert fabric._precision.name == "16-mixed"  # warned, not switched
+        plugin = Fabric(accelerator="cpu", plugins=[precision_module.MixedPrecision("16-mixed", "cpu")])._precision
+    assert plugin.name == "16-mixed" and plugin.scaler is not None  # a plugin is taken as given, as in Lightning
+
+
+# Run under either implementation, in a process of its own (importing Lightning patches torch.compile).
+_MIXED_PRECISION_ON_CPU = """
+import json, sys, warnings
+import numpy as np, torch
+if sys.argv[1] == "lightning":
+    from lightning.fabric import Fabric
+else:
+    from fabriclite import Fabric
+seen = []
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+    def forward(self, x):
+        seen.append(str(x.dtype))
+        return self.layer(x)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fabric = Fabric(accelerator="cpu", devices=1, precision="16-mixed")
+net = Net()
+model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+out = model(torch.from_numpy(np.ones((2, 4))))
+fabric.backward(out.sum())
+optimizer.step()
+print(json.dumps({"seen": seen, "out": str(out.dtype), "weight": str(net.layer.weight.dtype),
+                  "warned": any("AMP with fp16 is not supported on CPU" in str(w.message) for w in caught)}))
+"""
+
+
+@pytest.mark.parametrize("implementation", ["fabriclite", "lightning"])
+def test_16_mixed_on_cpu_trains_a_float64_batch_in_bf16_as_lightning_does(implementation):
+    if implementation == "lightning" and find_spec("lightning") is None:
+        pytest.skip("lightning is not installed; the fabriclite run states the same expectations")
+    out = run_python("-c", _MIXED_PRECISION_ON_CPU, implementation, timeout=180).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    expected = {"seen": ["torch.bfloat16"], "out": "torch.float32", "weight": "torch.float32", "warned": True}
+    assert result == expected
 
 
 def test_bf16_on_a_cuda_device_without_bf16_suggests_16_mixed(monkeypatch):
@@ -112,7 +202,7 @@ def test_16_mixed_scales_the_loss_on_backward():
 
 
 def test_backward_with_a_loss_scaler_before_setup_is_refused():
-    fabric = Fabric(accelerator="cpu", precision="16-mixed")
+    fabric = cpu_fabric("16-mixed")
     loss = tiny()(torch.randn(2, 4)).sum()
     with pytest.raises(RuntimeError, match="fabric.setup"):
         fabric.backward(loss)
@@ -316,7 +406,9 @@ def test_half_precision_built_without_a_device_gets_its_scaler_from_the_fabric()
 def test_precision_plugins_refuse_names_and_scalers_they_do_not_take():
     from fabriclite.plugins import FSDPPrecision, HalfPrecision, MixedPrecision
 
-    with pytest.raises(ValueError, match="HalfPrecision\\(precision='bf16-mixed'\\) is not supported. Valid: 'bf16-true'"):
+    with pytest.raises(
+        ValueError, match="HalfPrecision\\(precision='bf16-mixed'\\) is not supported. Valid: 'bf16-true'"
+    ):
         HalfPrecision("bf16-mixed")
     with pytest.raises(ValueError, match="precision='bf16-mixed' does not use one"):
         MixedPrecision("bf16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))

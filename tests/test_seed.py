@@ -3,9 +3,11 @@ worker of each rank draws numbers of its own, the same ones again for the same s
 pl_worker_init_function gives them."""
 
 import json
+import logging
 import os
 import pickle
 import random
+import warnings
 from functools import partial
 from importlib.util import find_spec
 
@@ -194,12 +196,120 @@ def test_reset_seed_seeds_again_with_the_exported_seed_and_workers_choice():
     assert os.environ["PL_SEED_WORKERS"] == "1"
 
 
-def test_seed_set_names_the_rank_only_when_several_processes_print_it(monkeypatch, capsys):
+def test_seed_set_names_the_rank_only_when_several_processes_log_it(monkeypatch, caplog):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    seed_everything(5)
-    assert capsys.readouterr().err == "Seed set to 5\n"
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    seed_everything(5)
-    assert capsys.readouterr().err == "[rank: 1] Seed set to 5\n"
+    with caplog.at_level(logging.INFO, logger="fabriclite.utilities.seed"):
+        seed_everything(5)
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        seed_everything(5)
+    records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert records == [
+        ("fabriclite.utilities.seed", logging.INFO, "Seed set to 5"),
+        ("fabriclite.utilities.seed", logging.INFO, "[rank: 1] Seed set to 5"),
+    ]
+
+
+_SEED_SET = "from fabriclite import seed_everything\nimport logging, sys\n{}\nseed_everything(5)\n"
+
+
+def test_seed_set_reaches_stderr_without_logging_configured_and_the_applications_handlers_once_configured():
+    quiet = run_python("-c", _SEED_SET.format(""), timeout=120)
+    assert quiet.stderr == "Seed set to 5\n"
+    configured = "logging.basicConfig(stream=sys.stdout, format='%(name)s %(levelname)s %(message)s')"
+    loud = run_python("-c", _SEED_SET.format(configured), timeout=120)
+    assert (loud.stdout, loud.stderr) == ("fabriclite.utilities.seed INFO Seed set to 5\n", "")
+
+
+def test_fabric_seed_everything_seeds_the_loader_workers_unless_told_not_to():
+    assert Fabric.seed_everything(7, verbose=False) == 7
+    assert os.environ["PL_SEED_WORKERS"] == "1"
+    loader = Fabric(accelerator="cpu").setup_dataloaders(DataLoader(WorkerDraws(), batch_size=None, num_workers=2))
+    (_, _, worker_0), (_, _, worker_1) = [item for item in list(loader)[:2]]
+    assert all(a != b for a, b in zip(worker_0, worker_1))  # NumPy too: without the seeding its draws repeat
+    Fabric.seed_everything(7, workers=False, verbose=False)
+    assert os.environ["PL_SEED_WORKERS"] == "0"
+    seed_everything(7, verbose=False)  # the function keeps Lightning's default, False
+    assert os.environ["PL_SEED_WORKERS"] == "0"
+
+
+@pytest.mark.parametrize("seed", [np.int64(3), np.uint32(3), 3.7, "3", torch.tensor(3)])
+def test_a_seed_int_takes_is_converted_as_lightning_does(seed):
+    assert seed_everything(seed, verbose=False) == 3
+    assert os.environ["PL_GLOBAL_SEED"] == "3" and torch.initial_seed() == 3
+
+
+@pytest.mark.parametrize(
+    ("seed", "error", "match"),
+    [
+        (2**32, ValueError, "seed=4294967296 is not in bounds: NumPy accepts seeds from 0 to 4294967295"),
+        (-1, ValueError, "seed=-1 is not in bounds"),
+        (10e9, ValueError, "seed=10000000000 is not in bounds"),
+        ("forty-two", ValueError, "seed='forty-two' is not valid: expected an int between 0 and 4294967295"),
+        ([3], TypeError, "seed=\\[3\\] is not valid"),
+        (True, ValueError, "seed=True is not valid: .*workers=True"),
+    ],
+)
+def test_an_invalid_seed_raises_lightnings_error_type_naming_the_value(seed, error, match):
+    with pytest.raises(error, match=match):
+        seed_everything(seed, verbose=False)
+
+
+def test_an_invalid_seed_in_the_environment_is_named_with_its_variable(monkeypatch):
+    monkeypatch.setenv("PL_GLOBAL_SEED", "invalid")
+    with pytest.raises(ValueError, match="Invalid seed specified via PL_GLOBAL_SEED: 'invalid'"):
+        seed_everything()
+
+
+def test_no_seed_anywhere_warns_and_uses_0_unless_quiet():
+    with pytest.warns(UserWarning, match="No seed found, seed set to 0"):
+        assert seed_everything() == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert seed_everything() == 0  # exported now: found in the environment
+        os.environ.pop("PL_GLOBAL_SEED"), os.environ.pop("FABRICLITE_GLOBAL_SEED")
+        assert seed_everything(verbose=False) == 0
+
+
+# Run under either implementation, in a process of its own (importing Lightning patches torch.compile).
+_SEEDING = """
+import json, logging, os, sys, warnings
+import numpy as np
+if sys.argv[1] == "lightning":
+    from lightning.fabric import Fabric, seed_everything
+else:
+    from fabriclite import Fabric, seed_everything
+records = []
+handler = logging.Handler()
+handler.emit = lambda record: records.append(record.getMessage())
+logging.getLogger(sys.argv[1].replace("lightning", "lightning.fabric") + ".utilities.seed").addHandler(handler)
+result = {"converted": [seed_everything(s) for s in (np.int64(3), 3.7, "3")], "logged": records[:1]}
+for bad in (2**32, -1, "forty-two", [3]):
+    try:
+        seed_everything(bad)
+    except Exception as error:
+        result.setdefault("errors", []).append([type(error).__name__, "is not in bounds" in str(error)])
+os.environ.pop("PL_GLOBAL_SEED"), os.environ.pop("FABRICLITE_GLOBAL_SEED", None)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    seed_everything()
+result["no seed"] = [str(w.message) for w in caught]
+Fabric.seed_everything(5)
+result["workers"] = os.environ["PL_SEED_WORKERS"]
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("implementation", ["fabriclite", "lightning"])
+def test_seeding_converts_refuses_logs_warns_and_seeds_workers_as_lightning_does(implementation):
+    if implementation == "lightning" and find_spec("lightning") is None:
+        pytest.skip("lightning is not installed; the fabriclite run states the same expectations")
+    out = run_python("-c", _SEEDING, implementation, timeout=180).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == {
+        "converted": [3, 3, 3],
+        "logged": ["Seed set to 3"],
+        "errors": [["ValueError", True], ["ValueError", True], ["ValueError", False], ["TypeError", False]],
+        "no seed": ["No seed found, seed set to 0"],
+        "workers": "1",
+    }

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
+from fabriclite.plugins import MixedPrecision
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 # The dtype a Linear computes in under each precision, and the dtype of the parameters.
@@ -40,6 +41,13 @@ PARAM_DTYPE = {
 
 def accelerator(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else "cpu"
+
+
+def fabric_on(device: torch.device, precision: str) -> Fabric:
+    """A one-device Fabric; "16-mixed" on a CPU through the plugin, since the string means bf16 there."""
+    if precision == "16-mixed" and device.type == "cpu":
+        return Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu")])
+    return Fabric(accelerator=accelerator(device), devices=1, precision=precision)
 
 
 def small_model(width: int = 64, dropout: float = 0.1) -> nn.Module:
@@ -66,7 +74,7 @@ def train_with_precision(device: torch.device, precision: str, steps: int = 30) 
     """Fit one fixed batch for ``steps`` steps under ``precision``; what the parameters, the forward and the loss
     looked like. SGD, because Adam's eps of 1e-8 is 0 in fp16 and "16-true" would divide 0 by 0."""
     seed_everything(0, verbose=False)
-    fabric = Fabric(accelerator=accelerator(device), devices=1, precision=precision)
+    fabric = fabric_on(device, precision)
     model = small_model()
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     inner = {}
@@ -107,7 +115,7 @@ def check_inf_gradients_skip_the_step(device: torch.device, precision: str) -> d
     """Under an fp16 precision (with its loss scaler): a step whose gradients are inf changes no weight, halves
     the scale and counts one skipped step; the next finite step applies."""
     seed_everything(0, verbose=False)
-    fabric = Fabric(accelerator=accelerator(device), devices=1, precision=precision)
+    fabric = fabric_on(device, precision)
     model = small_model()
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
     scaler = fabric.strategy.precision.scaler
@@ -185,7 +193,7 @@ def train_raw(device: torch.device, precision: str, epochs: int = 2) -> dict[str
 
 def train_fabric(device: torch.device, precision: str, epochs: int = 2) -> dict[str, torch.Tensor]:
     model, optimizer, loader = _parity_setup()
-    fabric = Fabric(accelerator=accelerator(device), devices=1, precision=precision)
+    fabric = fabric_on(device, precision)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(loader)
     for _ in range(epochs):

@@ -62,7 +62,6 @@ def test_every_precision_trains_on_cuda_in_its_dtypes(precision):
     check_precision(CUDA, precision)
 
 
-@pytest.mark.filterwarnings("ignore:precision='16-mixed' on a CPU")
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_precision_check_runs_on_the_cpu(precision):
     check_precision(CPU, precision)
@@ -74,7 +73,6 @@ def test_the_fp16_scaler_skips_a_step_with_inf_gradients_on_cuda_and_the_next_st
     check_inf_gradients_skip_the_step(CUDA, precision)
 
 
-@pytest.mark.filterwarnings("ignore:precision='16-mixed' on a CPU")
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
 def test_the_inf_gradient_check_runs_on_the_cpu(precision):
     check_inf_gradients_skip_the_step(CPU, precision)

@@ -14,9 +14,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
 from fabriclite import Fabric, seed_everything
+from fabriclite.plugins import MixedPrecision
 
 precision = sys.argv[1] if len(sys.argv) > 1 else "32-true"
-fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", precision=precision)
+# "16-mixed" through the plugin: on a CPU the string means bf16, and these checks are about fp16's loss scaler.
+fp16 = {"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {"precision": precision}
+fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", **fp16)
 fabric.launch()
 rank = fabric.global_rank
 

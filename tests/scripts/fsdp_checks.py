@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
+from fabriclite.plugins import MixedPrecision
 from fabriclite.strategies import FSDPStrategy
 
 
@@ -250,7 +251,8 @@ def main():
     )
 
     # ---------------------------------------------------------------- 16-mixed: every rank skips the same step
-    scaled = Fabric(accelerator="cpu", devices=2, strategy="fsdp", precision="16-mixed")
+    fp16 = MixedPrecision("16-mixed", "cpu")  # the plugin: on a CPU the string "16-mixed" means bf16
+    scaled = Fabric(accelerator="cpu", devices=2, strategy="fsdp", plugins=[fp16])
     scaled.launch()
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     net, sgd = scaled.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
+from fabriclite.plugins import MixedPrecision
 from noisy_step import noisy_step
 
 parser = argparse.ArgumentParser()
@@ -32,7 +33,11 @@ scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=50)
 data = TensorDataset(torch.randn(100, 6), torch.randint(0, 3, (100,)))
 loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=args.num_workers)
 
-fabric = Fabric(accelerator="cpu", precision=args.precision, devices=args.devices)
+# "16-mixed" through the plugin: on a CPU the string means bf16, and the run should resume fp16's loss scaler too.
+fp16 = (
+    {"plugins": [MixedPrecision("16-mixed", "cpu")]} if args.precision == "16-mixed" else {"precision": args.precision}
+)
+fabric = Fabric(accelerator="cpu", devices=args.devices, **fp16)
 fabric.launch()
 model, optimizer = fabric.setup(model, optimizer)
 loader = fabric.setup_dataloaders(loader)
