@@ -100,16 +100,16 @@ class AttributeDict(dict):
         try:
             return self[key]
         except KeyError:
-            raise AttributeError(f"{type(self).__name__} has no key {key!r}; it has {sorted(self)}.") from None
+            name = type(self).__name__
+            raise AttributeError(f"{name!r} object has no attribute {key!r}; its keys: {sorted(self)}.") from None
 
     def __setattr__(self, key: str, value: Any) -> None:
         self[key] = value
 
     def __delattr__(self, key: str) -> None:
-        try:
-            del self[key]
-        except KeyError:
-            raise AttributeError(f"{type(self).__name__} has no key {key!r}.") from None
+        if key not in self:  # a KeyError, as in Lightning: ``del`` on a dict
+            raise KeyError(f"{type(self).__name__} has no key {key!r} to delete; its keys: {sorted(self)}.")
+        del self[key]
 
     def __repr__(self) -> str:
         if not self:

@@ -274,10 +274,11 @@ def wrap_loader(
     wrapped to move batches to ``device`` and keep its position; after ``seed_everything(workers=True)`` its workers
     are seeded per worker and rank."""
     if isinstance(loader, _FabricDataLoader):
-        raise ValueError("This DataLoader was already set up by fabric.setup_dataloaders; pass it only once.")
+        raise ValueError("A dataloader should be passed only once to the `setup_dataloaders` method.")
     if not isinstance(loader, DataLoader):
         raise TypeError(
-            f"fabric.setup_dataloaders expects torch.utils.data.DataLoader objects, got {type(loader).__name__}."
+            f"Only PyTorch DataLoader are currently supported in `setup_dataloaders`: got {type(loader).__name__}; "
+            "wrap the dataset in a torch.utils.data.DataLoader."
         )
     loader = strategy.process_dataloader(loader, use_distributed_sampler)
     loader.worker_init_fn = worker_init_function(loader.worker_init_fn, strategy.global_rank)
@@ -394,7 +395,7 @@ def suggested_max_num_workers(local_world_size: int) -> int:
     Usage: ``DataLoader(dataset, num_workers=suggested_max_num_workers(devices_per_node))``.
     """
     if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
-        raise ValueError(f"local_world_size={local_world_size!r} must be an int >= 1 (the processes on this machine).")
+        raise ValueError(f"local_world_size={local_world_size!r} should be >= 1 (an int: processes on this machine).")
     try:
         cpus = len(os.sched_getaffinity(0))  # honours taskset and cgroup CPU sets; os.cpu_count() does not
     except AttributeError:  # macOS, Windows

@@ -233,13 +233,13 @@ class Fabric(LegacyAPI):
         Usage: ``optimizer = fabric.setup_optimizers(optimizer)``.
         """
         if not optimizers:
-            raise ValueError("fabric.setup_optimizers needs at least one optimizer.")
+            raise ValueError("`setup_optimizers` requires at least one optimizer as input.")
         wrapped = tuple(self._setup_optimizer(optimizer) for optimizer in optimizers)
         return wrapped[0] if len(wrapped) == 1 else wrapped
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> _FabricOptimizer:
         if isinstance(optimizer, _FabricOptimizer):
-            raise ValueError("This optimizer was already set up by fabric.setup; pass each optimizer only once.")
+            raise ValueError("An optimizer should be passed only once to the setup methods: it is wrapped.")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"fabric.setup expects torch.optim.Optimizer objects after the model, got {type(optimizer).__name__}."
@@ -257,7 +257,7 @@ class Fabric(LegacyAPI):
         """
         self._check_launched("setup_dataloaders")
         if not dataloaders:
-            raise ValueError("fabric.setup_dataloaders needs at least one DataLoader.")
+            raise ValueError("`setup_dataloaders` requires at least one dataloader as input.")
         device = self.device if move_to_device else None
         wrapped = [wrap_loader(loader, self._strategy, use_distributed_sampler, device) for loader in dataloaders]
         return wrapped[0] if len(wrapped) == 1 else wrapped

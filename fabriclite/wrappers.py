@@ -43,7 +43,9 @@ def wrap_model(
     Usage: ``model = wrap_model(net, strategy, precision, kernels=False, compile_kwargs=None, device=device)``.
     """
     if isinstance(module, _FabricModule):
-        raise ValueError("This model was already set up by fabric.setup; pass the model you built, not this one.")
+        raise ValueError(
+            "A model should be passed only once to the setup methods: pass the model you built, not its wrapper."
+        )
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fabric.setup expects a torch.nn.Module, got {type(module).__name__}.")
     user_compiled = type(module).__name__ == "OptimizedModule" and isinstance(
@@ -132,14 +134,21 @@ class _FabricModule(torch.nn.Module):
 
         Usage: ``model.mark_forward_method("generate")`` after ``model = fabric.setup(model)``.
         """
-        name = method if isinstance(method, str) else getattr(method, "__name__", None)
-        if not isinstance(name, str):
-            raise TypeError(f"mark_forward_method expects a method name or a bound method, got {method!r}.")
+        if not isinstance(method, str) and not inspect.ismethod(method):
+            raise TypeError(
+                f"Expected a method or a string, but got: {type(method).__name__} ({method!r}). Pass the method's "
+                "name or the bound method (model.module.generate), not a plain function."
+            )
+        name = method if isinstance(method, str) else method.__name__
         if name == "forward":
-            raise ValueError("forward already runs through the strategy; mark_forward_method is for other methods.")
+            raise ValueError(
+                "You cannot mark the forward method itself as a forward method: it already runs through the strategy."
+            )
         if not inspect.ismethod(getattr(self._original_module, name, None)):
+            owner = type(self._original_module).__name__
             raise AttributeError(
-                f"mark_forward_method({name!r}): {type(self._original_module).__name__} has no method {name!r}."
+                f"mark_forward_method({name!r}): `{owner}.{name}` does not exist or is not a method; {owner} has no "
+                f"method {name!r}."
             )
         self._forward_methods.add(name)
 

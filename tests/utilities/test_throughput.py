@@ -47,17 +47,27 @@ def test_one_device_reports_no_totals_across_devices_and_no_mfu_without_a_peak()
 
 
 @pytest.mark.parametrize(
-    ("update", "message"),
+    ("update", "error", "message"),
     [
-        ({"time": 0.5, "batches": 3, "samples": 8}, "time=0.5 is less than the previous time=1.0"),
-        ({"time": 2.0, "batches": 3, "samples": 2}, "samples=2 is less than batches=3"),
-        ({"time": 2.0, "batches": 3, "samples": 8, "lengths": 9}, "pass lengths at every update or never"),
+        ({"time": 0.5, "batches": 3, "samples": 8}, ValueError, r"time=0.5 after time=1.0"),
+        ({"time": 1.0, "batches": 3, "samples": 8}, ValueError, r"time=1.0 after time=1.0"),
+        ({"time": 2.0, "batches": 1, "samples": 8}, ValueError, r"batches=1 after batches=2"),
+        (
+            {"time": 2.0, "batches": 3, "samples": 2},
+            ValueError,
+            r"samples \(2\) to be greater or equal than batches \(3\)",
+        ),
+        (
+            {"time": 2.0, "batches": 3, "samples": 8, "lengths": 9},
+            RuntimeError,
+            "pass lengths at every update or never",
+        ),
     ],
 )
-def test_updates_that_are_not_running_totals_are_refused(update, message):
+def test_updates_that_are_not_running_totals_are_refused(update, error, message):
     throughput = Throughput()
     throughput.update(time=1.0, batches=2, samples=4)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         throughput.update(**update)
     assert throughput.compute()["time"] == 1.0  # the refused update left nothing behind
 
