@@ -27,6 +27,7 @@ from torch.utils.data import (
 
 from fabriclite._collections import move_to_device
 from fabriclite._padding import set_padding
+from fabriclite.rank_zero import rank_zero_warn
 from fabriclite.seed import (
     capture_loader_rng,
     capture_rng_state,
@@ -386,6 +387,34 @@ def distributed_loader(dataloader: DataLoader, num_replicas: int, rank: int, see
             sharded, "batch_sampler", BatchSampler(new_sampler, batch_sampler.batch_size, batch_sampler.drop_last)
         )
     return sharded
+
+
+def has_iterable_dataset(dataloader: object) -> bool:
+    """Whether ``dataloader`` reads an ``IterableDataset`` (no sampler, no shuffling, its length a guess).
+
+    Usage: ``if has_iterable_dataset(loader): ...``.
+    """
+    return isinstance(getattr(dataloader, "dataset", None), IterableDataset)
+
+
+def has_len(dataloader: object) -> bool:
+    """Whether ``len(dataloader)`` works; warns (as Lightning) when the length is 0, or comes from an
+    ``IterableDataset``, where each worker must be sharded by hand for it to be true.
+
+    Usage: ``steps = len(loader) if has_len(loader) else None``.
+    """
+    try:
+        length = len(dataloader)  # type: ignore[arg-type]
+    except (TypeError, NotImplementedError):
+        return False
+    if length == 0:
+        rank_zero_warn(f"`{type(dataloader).__name__}` returned 0 length. Please make sure this was your intention.")
+    if has_iterable_dataset(dataloader):
+        rank_zero_warn(
+            "Your `IterableDataset` has `__len__` defined. With num_workers > 1 it is only right if each worker "
+            "reads its own part of the data (torch.utils.data.get_worker_info()), not duplicates."
+        )
+    return True
 
 
 def suggested_max_num_workers(local_world_size: int) -> int:

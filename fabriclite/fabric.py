@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader
 
 from fabriclite import checkpoint, choices, preemption
 from fabriclite._legacy import LegacyAPI
-from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device, to_python_scalars
+from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device
+from fabriclite._collections import convert_tensors_to_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
 from fabriclite.callbacks import call_hook
 from fabriclite.collectives import check_reduce_op
@@ -469,7 +470,7 @@ class Fabric(LegacyAPI):
         """Log several values to every logger, from rank 0. Usage: ``fabric.log_dict({"loss": loss}, step=i)``."""
         if not self._loggers or not self.is_global_zero:
             return
-        metrics = to_python_scalars(metrics)
+        metrics = convert_tensors_to_scalars(metrics)
         for logger in self._loggers:
             logger.log_metrics(metrics, step=step)
 

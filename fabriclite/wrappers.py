@@ -20,6 +20,7 @@ import torch
 from fabriclite.callbacks import call_hook
 from fabriclite.compile import CompileWatch, compile_model
 from fabriclite.plugins.precision import Precision
+from fabriclite.rank_zero import PossibleUserWarning, rank_zero_warn
 from fabriclite.strategies.strategy import Strategy
 
 # The LightningModule methods that run the model, routed through forward as Lightning Fabric does.
@@ -72,6 +73,7 @@ def wrap_model(
             )
     precision.convert_module(original)
     if device is not None:
+        _warn_if_on_several_devices(original)
         strategy.module_to_device(original)
     forward_module = strategy.setup_module(module)
     watch = None
@@ -80,6 +82,24 @@ def wrap_model(
         watch = CompileWatch(type(original).__name__, regions)
     guard = strategy.syncs_in_forward
     return _FabricModule(forward_module, precision, original, watch=watch, guard_methods=guard, device=device)
+
+
+def _warn_if_on_several_devices(module: torch.nn.Module) -> None:
+    # Once, in setup: a model split over devices on purpose (pipelining by hand) must not be gathered silently.
+    named = list(module.named_parameters())
+    if not named:
+        return
+    first_name, first = named[0]
+    elsewhere = [(name, p.device) for name, p in named if p.device != first.device]
+    if elsewhere:
+        name, device = elsewhere[0]
+        rank_zero_warn(
+            f"The model passed to fabric.setup has {len(elsewhere)} parameters on different devices (for example "
+            f"{name!r} on {device} and {first_name!r} on {first.device}); setup moves them all to one device. If the "
+            "split is on purpose, pass setup(..., move_to_device=False).",
+            category=PossibleUserWarning,
+            stacklevel=7,  # the fabric.setup line
+        )
 
 
 class _FabricModule(torch.nn.Module):
