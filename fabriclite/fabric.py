@@ -24,6 +24,7 @@ from fabriclite.collectives import check_reduce_op
 from fabriclite.compile import CompileWatch, compile_kwargs
 from fabriclite.data import wrap_loader
 from fabriclite.kernels import kernels_usable
+from fabriclite.launcher import check_launch_function, do_nothing
 from fabriclite.plugins import split_plugins
 from fabriclite.plugins.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
@@ -147,26 +148,19 @@ class Fabric(LegacyAPI):
         return self._loggers[0] if self._loggers else None
 
     # ------------------------------------------------------------------ launching and setup
-    def launch(self, function: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., Any] = do_nothing, *args: Any, **kwargs: Any) -> Any:
         """Start the processes the strategy needs (none for one device) and run ``function(fabric, *args)``.
 
         Usage: ``fabric.launch()`` at the top of a script, or ``fabric.launch(train, config)``.
         """
-        if function is not None and not callable(function):
-            raise TypeError(f"fabric.launch(function) expects a callable taking the Fabric first, got {function!r}.")
-        launcher = self._strategy.launcher
-        if function is None and launcher.needs_function:
-            raise ValueError(
-                f"This strategy starts new processes by {launcher.start_method} and runs a function in them: call "
-                "fabric.launch(function), with a function taking the Fabric first."
-            )
-        return launcher.launch(self._run_launched, function, *args, **kwargs)
+        check_launch_function(function, self._strategy.launcher)
+        return self._strategy.launcher.launch(self._run_launched, function, *args, **kwargs)
 
-    def _run_launched(self, function: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+    def _run_launched(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # Runs in every process the launcher is responsible for, once it exists.
         self._strategy.setup_environment()
         self._launched = True
-        return None if function is None else function(self, *args, **kwargs)
+        return function(self, *args, **kwargs)
 
     def setup(
         self,

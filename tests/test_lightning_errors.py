@@ -23,8 +23,16 @@ def plain_function(x):
     return x
 
 
-def fabric_of(root):
-    return importlib.import_module(root).Fabric(accelerator="cpu", devices=1)
+def takes_no_argument():
+    pass
+
+
+def fabric_of(root, **options):
+    return importlib.import_module(root).Fabric(**{"accelerator": "cpu", "devices": 1, **options})
+
+
+def spawning(root):
+    return fabric_of(root, devices=2, strategy="ddp_spawn")
 
 
 def setup_twice(root):
@@ -132,6 +140,26 @@ CASES = {
         RuntimeError,
         "same number of samples",
     ),
+    "launch(train(fabric)): the function's result instead of the function": (
+        lambda root: fabric_of(root).launch(None),
+        TypeError,
+        r"needs to be a callable, but got None",
+    ),
+    "launch(a function taking no argument)": (
+        lambda root: fabric_of(root).launch(takes_no_argument),
+        TypeError,
+        "needs to take at least one argument",
+    ),
+    "launch(a function taking no argument) under ddp_spawn": (
+        lambda root: spawning(root).launch(takes_no_argument),
+        TypeError,
+        "needs to take at least one argument",
+    ),
+    "launch() under ddp_spawn": (
+        lambda root: spawning(root).launch(),
+        TypeError,
+        r"launch\(\)` needs to be called with a function",
+    ),
 }
 
 
@@ -142,3 +170,13 @@ def test_a_mistake_raises_lightnings_type_with_lightnings_phrase(case, root):
     with pytest.raises(error, match=phrase) as raised:
         action(root)
     assert type(raised.value) is error or root != "fabriclite"  # not a subclass that other except clauses miss
+
+
+def test_a_launch_that_cannot_run_is_refused_before_any_process_starts():
+    import multiprocessing
+
+    fabric = spawning("fabriclite")
+    for function in (None, takes_no_argument, 3):
+        with pytest.raises(TypeError, match=repr(function) if function == 3 else "launch"):
+            fabric.launch(function)
+    assert multiprocessing.active_children() == [] and not fabric._launched
