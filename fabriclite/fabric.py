@@ -466,7 +466,7 @@ class Fabric(LegacyAPI):
             return
         metrics = convert_tensors_to_scalars(metrics)
         for logger in self._loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics=metrics, step=step)  # by keyword, as Lightning
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
         """Call ``hook_name`` on every callback that has it, with ``args`` and the ``kwargs`` its signature accepts.

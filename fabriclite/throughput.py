@@ -166,7 +166,8 @@ class Throughput:
     ``update`` takes totals since the start (``time`` in seconds, ``batches``, ``samples``, ``lengths``) and the
     FLOPs of this update alone (``flops``, per device); ``compute`` returns a dict with ``time``, ``batches``,
     ``samples`` (and ``lengths``), and from the second update on ``device/samples_per_sec`` ... ``device/mfu``, plus
-    ``samples_per_sec`` ... ``mfu`` across devices when ``world_size > 1``.
+    ``samples_per_sec`` ... ``flops_per_sec`` across devices when ``world_size > 1`` (as Lightning: no global
+    ``mfu``, which would equal ``device/mfu``).
 
     Usage: ``t = Throughput(available_flops=312e12); t.update(time=1.5, batches=2, samples=64); t.compute()``.
     """
@@ -255,9 +256,7 @@ class Throughput:
             if self.world_size > 1:
                 metrics["flops_per_sec"] = per_device * self.world_size
             if self.available_flops:
-                metrics[device + "mfu"] = per_device / self.available_flops
-                if self.world_size > 1:
-                    metrics["mfu"] = per_device / self.available_flops
+                metrics[device + "mfu"] = per_device / self.available_flops  # a utilization: no total across devices
         return metrics
 
     def reset(self) -> None:
