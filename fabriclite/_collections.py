@@ -68,18 +68,23 @@ def convert_to_tensors(data: Any, device: torch.device) -> Any:
     return move_to_device(data, device)
 
 
-def to_python_scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """Turn one-element tensors into Python numbers, so loggers never hold graph or device memory."""
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(
-                    f"Logged value {key!r} must be a number or a one-element tensor, got shape {tuple(value.shape)}"
-                )
-            value = value.item()
-        out[key] = value
-    return out
+def convert_tensors_to_scalars(data: Any) -> Any:
+    """Turn every one-element tensor in ``data`` (nested dicts, lists, tuples) into a Python number, so loggers never
+    hold graph or device memory; a tensor of more elements is an error naming where it sits.
+
+    Usage: ``convert_tensors_to_scalars({"loss": loss, "acc": [acc]})``.
+    """
+
+    def to_item(path: tuple, value: torch.Tensor) -> Any:
+        if value.numel() != 1:
+            where = "".join(f"[{key!r}]" for key in path) or "the value"
+            raise ValueError(
+                f"The metric `{where}` does not contain a single element, thus it cannot be converted to a scalar: "
+                f"log a number or a one-element tensor, got shape {tuple(value.shape)}."
+            )
+        return value.item()
+
+    return map_with_path(data, torch.Tensor, to_item)
 
 
 def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
@@ -100,16 +105,16 @@ class AttributeDict(dict):
         try:
             return self[key]
         except KeyError:
-            raise AttributeError(f"{type(self).__name__} has no key {key!r}; it has {sorted(self)}.") from None
+            name = type(self).__name__
+            raise AttributeError(f"{name!r} object has no attribute {key!r}; its keys: {sorted(self)}.") from None
 
     def __setattr__(self, key: str, value: Any) -> None:
         self[key] = value
 
     def __delattr__(self, key: str) -> None:
-        try:
-            del self[key]
-        except KeyError:
-            raise AttributeError(f"{type(self).__name__} has no key {key!r}.") from None
+        if key not in self:  # a KeyError, as in Lightning: ``del`` on a dict
+            raise KeyError(f"{type(self).__name__} has no key {key!r} to delete; its keys: {sorted(self)}.")
+        del self[key]
 
     def __repr__(self) -> str:
         if not self:

@@ -27,6 +27,7 @@ from torch.utils.data import (
 
 from fabriclite._collections import move_to_device
 from fabriclite._padding import set_padding
+from fabriclite.rank_zero import rank_zero_warn
 from fabriclite.seed import (
     capture_loader_rng,
     capture_rng_state,
@@ -274,10 +275,11 @@ def wrap_loader(
     wrapped to move batches to ``device`` and keep its position; after ``seed_everything(workers=True)`` its workers
     are seeded per worker and rank."""
     if isinstance(loader, _FabricDataLoader):
-        raise ValueError("This DataLoader was already set up by fabric.setup_dataloaders; pass it only once.")
+        raise ValueError("A dataloader should be passed only once to the `setup_dataloaders` method.")
     if not isinstance(loader, DataLoader):
         raise TypeError(
-            f"fabric.setup_dataloaders expects torch.utils.data.DataLoader objects, got {type(loader).__name__}."
+            f"Only PyTorch DataLoader are currently supported in `setup_dataloaders`: got {type(loader).__name__}; "
+            "wrap the dataset in a torch.utils.data.DataLoader."
         )
     loader = strategy.process_dataloader(loader, use_distributed_sampler)
     loader.worker_init_fn = worker_init_function(loader.worker_init_fn, strategy.global_rank)
@@ -387,6 +389,34 @@ def distributed_loader(dataloader: DataLoader, num_replicas: int, rank: int, see
     return sharded
 
 
+def has_iterable_dataset(dataloader: object) -> bool:
+    """Whether ``dataloader`` reads an ``IterableDataset`` (no sampler, no shuffling, its length a guess).
+
+    Usage: ``if has_iterable_dataset(loader): ...``.
+    """
+    return isinstance(getattr(dataloader, "dataset", None), IterableDataset)
+
+
+def has_len(dataloader: object) -> bool:
+    """Whether ``len(dataloader)`` works; warns (as Lightning) when the length is 0, or comes from an
+    ``IterableDataset``, where each worker must be sharded by hand for it to be true.
+
+    Usage: ``steps = len(loader) if has_len(loader) else None``.
+    """
+    try:
+        length = len(dataloader)  # type: ignore[arg-type]
+    except (TypeError, NotImplementedError):
+        return False
+    if length == 0:
+        rank_zero_warn(f"`{type(dataloader).__name__}` returned 0 length. Please make sure this was your intention.")
+    if has_iterable_dataset(dataloader):
+        rank_zero_warn(
+            "Your `IterableDataset` has `__len__` defined. With num_workers > 1 it is only right if each worker "
+            "reads its own part of the data (torch.utils.data.get_worker_info()), not duplicates."
+        )
+    return True
+
+
 def suggested_max_num_workers(local_world_size: int) -> int:
     """The most DataLoader workers each of ``local_world_size`` processes on this machine should start: the CPUs
     this process may run on, shared out, less one for the process itself (at least 1).
@@ -394,7 +424,7 @@ def suggested_max_num_workers(local_world_size: int) -> int:
     Usage: ``DataLoader(dataset, num_workers=suggested_max_num_workers(devices_per_node))``.
     """
     if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
-        raise ValueError(f"local_world_size={local_world_size!r} must be an int >= 1 (the processes on this machine).")
+        raise ValueError(f"local_world_size={local_world_size!r} should be >= 1 (an int: processes on this machine).")
     try:
         cpus = len(os.sched_getaffinity(0))  # honours taskset and cgroup CPU sets; os.cpu_count() does not
     except AttributeError:  # macOS, Windows

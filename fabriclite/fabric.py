@@ -16,13 +16,15 @@ from torch.utils.data import DataLoader
 
 from fabriclite import checkpoint, choices, preemption
 from fabriclite._legacy import LegacyAPI
-from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device, to_python_scalars
+from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device
+from fabriclite._collections import convert_tensors_to_scalars
 from fabriclite.accelerators import Accelerator, select_accelerator
 from fabriclite.callbacks import call_hook
 from fabriclite.collectives import check_reduce_op
 from fabriclite.compile import CompileWatch, compile_kwargs
 from fabriclite.data import wrap_loader
 from fabriclite.kernels import kernels_usable
+from fabriclite.launcher import check_launch_function, do_nothing
 from fabriclite.plugins import split_plugins
 from fabriclite.plugins.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
@@ -145,26 +147,19 @@ class Fabric(LegacyAPI):
         return self._loggers[0] if self._loggers else None
 
     # ------------------------------------------------------------------ launching and setup
-    def launch(self, function: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., Any] = do_nothing, *args: Any, **kwargs: Any) -> Any:
         """Start the processes the strategy needs (none for one device) and run ``function(fabric, *args)``.
 
         Usage: ``fabric.launch()`` at the top of a script, or ``fabric.launch(train, config)``.
         """
-        if function is not None and not callable(function):
-            raise TypeError(f"fabric.launch(function) expects a callable taking the Fabric first, got {function!r}.")
-        launcher = self._strategy.launcher
-        if function is None and launcher.needs_function:
-            raise ValueError(
-                f"This strategy starts new processes by {launcher.start_method} and runs a function in them: call "
-                "fabric.launch(function), with a function taking the Fabric first."
-            )
-        return launcher.launch(self._run_launched, function, *args, **kwargs)
+        check_launch_function(function, self._strategy.launcher)
+        return self._strategy.launcher.launch(self._run_launched, function, *args, **kwargs)
 
-    def _run_launched(self, function: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+    def _run_launched(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # Runs in every process the launcher is responsible for, once it exists.
         self._strategy.setup_environment()
         self._launched = True
-        return None if function is None else function(self, *args, **kwargs)
+        return function(self, *args, **kwargs)
 
     def setup(
         self,
@@ -232,13 +227,13 @@ class Fabric(LegacyAPI):
         Usage: ``optimizer = fabric.setup_optimizers(optimizer)``.
         """
         if not optimizers:
-            raise ValueError("fabric.setup_optimizers needs at least one optimizer.")
+            raise ValueError("`setup_optimizers` requires at least one optimizer as input.")
         wrapped = tuple(self._setup_optimizer(optimizer) for optimizer in optimizers)
         return wrapped[0] if len(wrapped) == 1 else wrapped
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> _FabricOptimizer:
         if isinstance(optimizer, _FabricOptimizer):
-            raise ValueError("This optimizer was already set up by fabric.setup; pass each optimizer only once.")
+            raise ValueError("An optimizer should be passed only once to the setup methods: it is wrapped.")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"fabric.setup expects torch.optim.Optimizer objects after the model, got {type(optimizer).__name__}."
@@ -256,7 +251,7 @@ class Fabric(LegacyAPI):
         """
         self._check_launched("setup_dataloaders")
         if not dataloaders:
-            raise ValueError("fabric.setup_dataloaders needs at least one DataLoader.")
+            raise ValueError("`setup_dataloaders` requires at least one dataloader as input.")
         device = self.device if move_to_device else None
         wrapped = [wrap_loader(loader, self._strategy, use_distributed_sampler, device) for loader in dataloaders]
         return wrapped[0] if len(wrapped) == 1 else wrapped
@@ -465,9 +460,9 @@ class Fabric(LegacyAPI):
         """Log several values to every logger, from rank 0. Usage: ``fabric.log_dict({"loss": loss}, step=i)``."""
         if not self._loggers or not self.is_global_zero:
             return
-        metrics = to_python_scalars(metrics)
+        metrics = convert_tensors_to_scalars(metrics)
         for logger in self._loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics=metrics, step=step)  # by keyword, as Lightning
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
         """Call ``hook_name`` on every callback that has it, with ``args`` and the ``kwargs`` its signature accepts.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import inspect
 import os
 import pickle
 import signal
@@ -37,6 +38,38 @@ INTERRUPT_GRACE_S = 10.0
 SIBLING_EXIT_GRACE_S = 1.0  # after an error here, how long to wait for a dying child to show its exit
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 _guarded = False  # stop_on_interrupt runs once per process
+
+
+def do_nothing(fabric: Any) -> None:
+    """What ``fabric.launch()`` runs when given no function (defined here, so it pickles for spawned processes)."""
+
+
+def check_launch_function(function: Any, launcher: Any) -> None:
+    """Refuse, before any process starts, what ``fabric.launch(function)`` could not run in them: no function where
+    the launcher needs one, something not callable (often ``launch(train(fabric))``, which ran ``train`` here
+    and passed its result), or a function that cannot take the Fabric. Errors have Lightning's types and phrases."""
+    if function is do_nothing:
+        if launcher.needs_function:
+            raise TypeError(
+                f"This strategy starts new processes by {launcher.start_method}: `.launch()` needs to be called with a "
+                "function that contains the code to run in them, taking the Fabric first: fabric.launch(train)."
+            )
+        return
+    if not callable(function):
+        raise TypeError(
+            f"`Fabric.launch(...)` needs to be a callable, but got {function!r} ({type(function).__name__}). HINT: do "
+            "`.launch(train)` instead of `.launch(train(fabric))`: the launcher calls it with the Fabric first."
+        )
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    if not parameters:
+        name = getattr(function, "__qualname__", repr(function))
+        raise TypeError(
+            f"`Fabric.launch(function={name})` needs to take at least one argument: the launcher passes the Fabric "
+            f"first. Write def {getattr(function, '__name__', 'train')}(fabric, ...)."
+        )
 
 
 class InProcessLauncher:

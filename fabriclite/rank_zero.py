@@ -75,6 +75,11 @@ def rank_zero_info(*args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
     log.info(*args, stacklevel=stacklevel, **kwargs)
 
 
+class PossibleUserWarning(UserWarning):
+    """A warning about something that may be the user's mistake, or may be intended (Lightning's category, so
+    filters written for it work). Usage: ``warnings.filterwarnings("ignore", category=PossibleUserWarning)``."""
+
+
 @rank_zero_only
 def rank_zero_warn(message: str | Warning, stacklevel: int = 4, **kwargs: Any) -> None:
     """``warnings.warn`` on rank 0 (``category=`` as there). Usage: ``rank_zero_warn("no validation set")``."""

@@ -166,7 +166,8 @@ class Throughput:
     ``update`` takes totals since the start (``time`` in seconds, ``batches``, ``samples``, ``lengths``) and the
     FLOPs of this update alone (``flops``, per device); ``compute`` returns a dict with ``time``, ``batches``,
     ``samples`` (and ``lengths``), and from the second update on ``device/samples_per_sec`` ... ``device/mfu``, plus
-    ``samples_per_sec`` ... ``mfu`` across devices when ``world_size > 1``.
+    ``samples_per_sec`` ... ``flops_per_sec`` across devices when ``world_size > 1`` (as Lightning: no global
+    ``mfu``, which would equal ``device/mfu``).
 
     Usage: ``t = Throughput(available_flops=312e12); t.update(time=1.5, batches=2, samples=64); t.compute()``.
     """
@@ -190,29 +191,43 @@ class Throughput:
     def update(
         self, *, time: float, batches: int, samples: int, lengths: int | None = None, flops: float | None = None
     ) -> None:
-        """Record the totals so far (``time`` since the start, ``batches``, ``samples``, ``lengths``: each at least
-        its previous value) and ``flops``, the FLOPs per device since the last update."""
+        """Record the totals so far (``time`` since the start, increasing; ``batches``, ``samples``, ``lengths``: each
+        at least its previous value) and ``flops``, the FLOPs per device since the last update. The errors have
+        Lightning's types and phrases, checked in its order (time first)."""
+        self._check_increases("time", time, strictly=True)  # a zero interval has no rate
         if samples < batches:
-            raise ValueError(f"samples={samples} is less than batches={batches}: each batch has at least one sample.")
+            raise ValueError(
+                f"Expected samples ({samples}) to be greater or equal than batches ({batches}): each batch has at "
+                "least one sample."
+            )
         if lengths is not None and lengths < samples:
-            raise ValueError(f"lengths={lengths} is less than samples={samples}: each sample has at least one item.")
+            raise ValueError(
+                f"Expected lengths ({lengths}) to be greater or equal than samples ({samples}): each sample has at "
+                "least one item."
+            )
         totals = {"time": time, "batches": batches, "samples": samples}
         if lengths is not None:
             totals["lengths"] = lengths
+        for name in ("batches", "samples", "lengths"):
+            if name in totals:
+                self._check_increases(name, totals[name], strictly=False)
         if self._totals and set(totals) != set(self._totals):
-            raise ValueError(
-                f"update() was given {sorted(totals)} after {sorted(self._totals)}: pass lengths at every update or never."
+            raise RuntimeError(
+                f"update() was given {sorted(totals)} after {sorted(self._totals)}: if lengths are passed, there needs "
+                "to be the same number of samples; pass lengths at every update or never."
             )
         for name, value in totals.items():
-            window = self._totals.setdefault(name, deque(maxlen=self.window_size))
-            if window and value < window[-1]:
-                raise ValueError(
-                    f"{name}={value} is less than the previous {name}={window[-1]}: pass totals, not increments."
-                )
-        for name, value in totals.items():
-            self._totals[name].append(value)
+            self._totals.setdefault(name, deque(maxlen=self.window_size)).append(value)
         if flops is not None:
             self._flops.append(flops)
+
+    def _check_increases(self, name: str, value: float, strictly: bool) -> None:
+        last = self._totals[name][-1] if self._totals.get(name) else None
+        if last is not None and (value < last or (strictly and value == last)):
+            raise ValueError(
+                f"Expected the value to increase, last: {last}, current: {value} ({name}={value} after {name}={last}): "
+                "pass totals since the start, not increments."
+            )
 
     def compute(self) -> dict[str, float]:
         """The totals of the last update and the rates over the window (see the class)."""
@@ -241,9 +256,7 @@ class Throughput:
             if self.world_size > 1:
                 metrics["flops_per_sec"] = per_device * self.world_size
             if self.available_flops:
-                metrics[device + "mfu"] = per_device / self.available_flops
-                if self.world_size > 1:
-                    metrics["mfu"] = per_device / self.available_flops
+                metrics[device + "mfu"] = per_device / self.available_flops  # a utilization: no total across devices
         return metrics
 
     def reset(self) -> None:

@@ -20,6 +20,7 @@ import torch
 from fabriclite.callbacks import call_hook
 from fabriclite.compile import CompileWatch, compile_model
 from fabriclite.plugins.precision import Precision
+from fabriclite.rank_zero import PossibleUserWarning, rank_zero_warn
 from fabriclite.strategies.strategy import Strategy
 
 # The LightningModule methods that run the model, routed through forward as Lightning Fabric does.
@@ -43,7 +44,9 @@ def wrap_model(
     Usage: ``model = wrap_model(net, strategy, precision, kernels=False, compile_kwargs=None, device=device)``.
     """
     if isinstance(module, _FabricModule):
-        raise ValueError("This model was already set up by fabric.setup; pass the model you built, not this one.")
+        raise ValueError(
+            "A model should be passed only once to the setup methods: pass the model you built, not its wrapper."
+        )
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fabric.setup expects a torch.nn.Module, got {type(module).__name__}.")
     user_compiled = type(module).__name__ == "OptimizedModule" and isinstance(
@@ -70,6 +73,7 @@ def wrap_model(
             )
     precision.convert_module(original)
     if device is not None:
+        _warn_if_on_several_devices(original)
         strategy.module_to_device(original)
     forward_module = strategy.setup_module(module)
     watch = None
@@ -78,6 +82,24 @@ def wrap_model(
         watch = CompileWatch(type(original).__name__, regions)
     guard = strategy.syncs_in_forward
     return _FabricModule(forward_module, precision, original, watch=watch, guard_methods=guard, device=device)
+
+
+def _warn_if_on_several_devices(module: torch.nn.Module) -> None:
+    # Once, in setup: a model split over devices on purpose (pipelining by hand) must not be gathered silently.
+    named = list(module.named_parameters())
+    if not named:
+        return
+    first_name, first = named[0]
+    elsewhere = [(name, p.device) for name, p in named if p.device != first.device]
+    if elsewhere:
+        name, device = elsewhere[0]
+        rank_zero_warn(
+            f"The model passed to fabric.setup has {len(elsewhere)} parameters on different devices (for example "
+            f"{name!r} on {device} and {first_name!r} on {first.device}); setup moves them all to one device. If the "
+            "split is on purpose, pass setup(..., move_to_device=False).",
+            category=PossibleUserWarning,
+            stacklevel=7,  # the fabric.setup line
+        )
 
 
 class _FabricModule(torch.nn.Module):
@@ -132,14 +154,21 @@ class _FabricModule(torch.nn.Module):
 
         Usage: ``model.mark_forward_method("generate")`` after ``model = fabric.setup(model)``.
         """
-        name = method if isinstance(method, str) else getattr(method, "__name__", None)
-        if not isinstance(name, str):
-            raise TypeError(f"mark_forward_method expects a method name or a bound method, got {method!r}.")
+        if not isinstance(method, str) and not inspect.ismethod(method):
+            raise TypeError(
+                f"Expected a method or a string, but got: {type(method).__name__} ({method!r}). Pass the method's "
+                "name or the bound method (model.module.generate), not a plain function."
+            )
+        name = method if isinstance(method, str) else method.__name__
         if name == "forward":
-            raise ValueError("forward already runs through the strategy; mark_forward_method is for other methods.")
+            raise ValueError(
+                "You cannot mark the forward method itself as a forward method: it already runs through the strategy."
+            )
         if not inspect.ismethod(getattr(self._original_module, name, None)):
+            owner = type(self._original_module).__name__
             raise AttributeError(
-                f"mark_forward_method({name!r}): {type(self._original_module).__name__} has no method {name!r}."
+                f"mark_forward_method({name!r}): `{owner}.{name}` does not exist or is not a method; {owner} has no "
+                f"method {name!r}."
             )
         self._forward_methods.add(name)
 

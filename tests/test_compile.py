@@ -132,7 +132,7 @@ def test_a_model_compiled_by_the_user_keeps_working_and_is_not_compiled_twice():
     assert wrapped.module is model
     assert list(wrapped.state_dict()) == keys
     assert wrapped(torch.randn(2, 6)).shape == (2, 3)
-    with pytest.raises(ValueError, match="already set up"):
+    with pytest.raises(ValueError, match="should be passed only once"):
         fabric.setup(wrapped)
 
 

@@ -177,3 +177,31 @@ def test_importing_fabriclite_adds_no_top_level_package_but_itself_to_what_torch
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['fabriclite']"
+
+
+def test_loggers_are_called_by_keyword_as_lightning_does_so_keyword_only_loggers_and_mocks_work():
+    from unittest import mock
+
+    from fabriclite.loggers import Logger
+
+    class KeywordOnly(Logger):
+        name, version = "keywords", 0
+
+        def __init__(self):
+            self.calls = []
+
+        def log_metrics(self, *, metrics, step=None):
+            self.calls.append((metrics, step))
+
+        def log_hyperparams(self, *, params):
+            pass
+
+    keyword_only, mocked = KeywordOnly(), mock.Mock()
+    fabric = Fabric(accelerator="cpu", loggers=[keyword_only, mocked])
+    fabric.log("loss", torch.tensor(0.5), step=3)
+    fabric.log_dict({"acc": 1.0})
+    assert keyword_only.calls == [({"loss": 0.5}, 3), ({"acc": 1.0}, None)]
+    assert mocked.log_metrics.call_args_list == [
+        mock.call(metrics={"loss": 0.5}, step=3),
+        mock.call(metrics={"acc": 1.0}, step=None),
+    ]

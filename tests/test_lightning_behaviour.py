@@ -66,9 +66,9 @@ def test_mark_forward_method_names_what_is_wrong():
     model = Fabric(accelerator="cpu").setup(Net())
     with pytest.raises(AttributeError, match="Net has no method 'nothing'"):
         model.mark_forward_method("nothing")
-    with pytest.raises(ValueError, match="forward already runs"):
+    with pytest.raises(ValueError, match="You cannot mark the forward method itself"):
         model.mark_forward_method("forward")
-    with pytest.raises(TypeError, match="method name or a bound method"):
+    with pytest.raises(TypeError, match="the method's name or the bound method"):
         model.mark_forward_method(3)
     model.mark_forward_method(model.module.training_step)  # a bound method is fine
 
@@ -93,7 +93,7 @@ def test_the_same_raw_model_can_be_set_up_twice_but_not_a_wrapped_one():
     net = Net()
     first, second = fabric.setup(net), fabric.setup(net)
     assert first is not second and first.module is second.module is net
-    with pytest.raises(ValueError, match="already set up"):
+    with pytest.raises(ValueError, match="should be passed only once"):
         fabric.setup(first)
 
 

@@ -18,6 +18,9 @@ NAMES = [
     ("accelerators", "CUDAAccelerator"),
     ("accelerators", "MPSAccelerator"),
     ("accelerators", "find_usable_cuda_devices"),
+    ("accelerators.cuda", "CUDAAccelerator"),
+    ("accelerators.cuda", "find_usable_cuda_devices"),
+    ("accelerators.mps", "MPSAccelerator"),
     ("strategies", "Strategy"),
     ("strategies", "SingleDeviceStrategy"),
     ("strategies", "DataParallelStrategy"),
@@ -56,8 +59,12 @@ NAMES = [
     ("utilities.apply_func", "apply_to_collection"),
     ("utilities.apply_func", "move_data_to_device"),
     ("utilities.apply_func", "convert_to_tensors"),
+    ("utilities.apply_func", "convert_tensors_to_scalars"),
     ("utilities.data", "AttributeDict"),
     ("utilities.data", "suggested_max_num_workers"),
+    ("utilities.data", "has_len"),
+    ("utilities.data", "has_iterable_dataset"),
+    ("utilities.warnings", "PossibleUserWarning"),
     ("utilities.throughput", "measure_flops"),
     ("utilities.throughput", "Throughput"),
     ("utilities.throughput", "ThroughputMonitor"),
@@ -127,3 +134,85 @@ def test_find_usable_cuda_devices_without_cuda_asks_for_none_or_says_there_are_n
         find_usable_cuda_devices(1)
     with pytest.raises(ValueError, match="num_devices=-2 must be"):
         find_usable_cuda_devices(-2)
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_the_data_helpers_answer_as_lightnings_do(root):
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    data = importlib.import_module(root + ".utilities.data")
+    warning = importlib.import_module(root + ".utilities.warnings").PossibleUserWarning
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    class SizedStream(Stream):
+        def __len__(self):
+            return 3
+
+    assert issubclass(warning, UserWarning)
+    assert data.has_len(DataLoader(range(4))) and not data.has_iterable_dataset(DataLoader(range(4)))
+    assert not data.has_len(DataLoader(Stream())) and data.has_iterable_dataset(DataLoader(Stream()))
+    assert not data.has_iterable_dataset(range(3))  # no .dataset at all
+    with pytest.warns(UserWarning, match="returned 0 length"):
+        assert data.has_len([])
+    with pytest.warns(UserWarning, match="`IterableDataset` has `__len__` defined"):
+        assert data.has_len(DataLoader(SizedStream()))
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_convert_tensors_to_scalars_walks_collections_and_refuses_a_tensor_of_many(root):
+    import torch
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    convert = importlib.import_module(root + ".utilities.apply_func").convert_tensors_to_scalars
+    out = convert({"loss": torch.tensor(0.5), "parts": [torch.tensor([2]), 3], "name": "x"})
+    assert out == {"loss": 0.5, "parts": [2, 3], "name": "x"} and type(out["parts"][0]) is int
+    with pytest.raises(ValueError, match="does not contain a single element, thus it cannot be converted to a scalar"):
+        convert({"acc": [torch.ones(2)]})
+
+
+def test_single_device_strategy_takes_lightnings_device_argument_and_refuses_what_is_not_one():
+    import torch
+
+    from fabriclite.plugins import TorchCheckpointIO
+    from fabriclite.strategies import SingleDeviceStrategy
+
+    assert SingleDeviceStrategy(device="cuda:1").root_device == torch.device("cuda", 1)  # not its checkpoint_io
+    assert SingleDeviceStrategy("cpu").root_device == torch.device("cpu")
+    io = TorchCheckpointIO()
+    assert SingleDeviceStrategy(checkpoint_io=io).checkpoint_io is io
+    fabric = Fabric(accelerator="cpu", strategy=SingleDeviceStrategy(device="cpu"))
+    assert fabric.device == torch.device("cpu") and fabric.setup(torch.nn.Linear(1, 1)).device == fabric.device
+    with pytest.raises(TypeError, match=r"device=3\.5\) expects a device"):
+        SingleDeviceStrategy(3.5)
+    with pytest.raises(TypeError, match=r"checkpoint_io='x'\) expects a CheckpointIO"):
+        SingleDeviceStrategy(checkpoint_io="x")
+    with pytest.raises(ValueError, match=r"device='nowhere'\) is not a device"):
+        SingleDeviceStrategy("nowhere")
+    with pytest.raises(ValueError, match=r"device='cuda:1'\) is a cuda device, but the accelerator is 'cpu'"):
+        Fabric(accelerator="cpu", strategy=SingleDeviceStrategy("cuda:1"))
+
+
+def test_setup_warns_once_when_the_models_parameters_sit_on_different_devices():
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from fabriclite.utilities.warnings import PossibleUserWarning
+
+    fabric = Fabric(accelerator="cpu")
+    split = nn.Sequential(nn.Linear(1, 2), nn.Linear(2, 2, device="meta"))  # the only second device a CPU has
+    match = r"has 2 parameters on different devices \(for example '1.weight' on meta and '0.weight' on cpu\)"
+    with pytest.warns(PossibleUserWarning, match=match), pytest.raises(NotImplementedError, match="meta tensor"):
+        fabric.setup(split)  # the warning comes before the move that cannot be done
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PossibleUserWarning)
+        fabric.setup(nn.Sequential(nn.Linear(1, 2), nn.Linear(2, 2, device="meta")), move_to_device=False)
+        model = fabric.setup(nn.Linear(1, 2))
+        model(torch.ones(1, 1))  # nothing is checked per step

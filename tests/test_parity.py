@@ -89,7 +89,7 @@ def test_setup_dataloaders_refuses_non_loaders_and_double_setup():
         fabric.setup_dataloaders([1, 2, 3])
     _, _, loader = build()
     wrapped = fabric.setup_dataloaders(loader)
-    with pytest.raises(ValueError, match="already set up"):
+    with pytest.raises(ValueError, match="should be passed only once"):
         fabric.setup_dataloaders(wrapped)
     with pytest.raises(ValueError, match="at least one"):
         fabric.setup_dataloaders()

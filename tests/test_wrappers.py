@@ -98,14 +98,14 @@ def test_scheduler_keeps_driving_the_optimizer_after_load_state_dict(fabric):
 
 def test_setting_up_a_wrapped_model_again_is_refused(fabric):
     model = fabric.setup(Net())
-    with pytest.raises(ValueError, match="already set up"):
+    with pytest.raises(ValueError, match="should be passed only once"):
         fabric.setup(model)
 
 
 def test_setting_up_the_same_optimizer_twice_is_refused(fabric):
     net = Net()
     _, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="already set up"):
+    with pytest.raises(ValueError, match="should be passed only once"):
         fabric.setup_optimizers(opt)
 
 

@@ -80,6 +80,7 @@ class _VersionedLogger(Logger):
         name: str | None,
         version: int | str | None,
         prefix: str,
+        expand: bool = False,
     ) -> None:
         is_folder_name = isinstance(version, str) and version != ""
         is_number = isinstance(version, int) and not isinstance(version, bool) and version >= 0
@@ -88,7 +89,11 @@ class _VersionedLogger(Logger):
                 f"version={version!r} is not valid: pass None to use the next free version_N folder, "
                 "an int N >= 0 for version_N, or a non-empty str used as the folder name as is."
             )
-        self._root_dir = os.fspath(root_dir)
+        self._given_root_dir = os.fspath(root_dir)  # what root_dir returns, as in Lightning
+        # Where the files go: with ``expand``, variables and a leading "~" expanded (TensorBoardLogger, as Lightning).
+        self._root_dir = (
+            os.path.expanduser(os.path.expandvars(self._given_root_dir)) if expand else self._given_root_dir
+        )
         self._name = name or ""
         self._version = version
         self._prefix = prefix
@@ -102,19 +107,25 @@ class _VersionedLogger(Logger):
     def version(self) -> int | str:
         """The run's version; when none was given, the next free ``version_N`` number, fixed on first use."""
         if self._version is None:
-            self._version = _next_version(self.root_dir)
+            self._version = _next_version(self._experiment_dir)
         return self._version
 
     @property
     def root_dir(self) -> str:
-        """The folder holding all versions of this experiment: ``root_dir/name``."""
+        """The ``root_dir`` argument as given, as in Lightning (the versions of this experiment are in
+        ``root_dir/name``; ``log_dir`` is where this run writes)."""
+        return self._given_root_dir
+
+    @property
+    def _experiment_dir(self) -> str:
         return os.path.join(self._root_dir, self._name) if self._name else self._root_dir
 
     @property
     def log_dir(self) -> str:
-        """The folder this run writes to: ``root_dir/name/version_N``, or the str version as is."""
+        """The folder this run writes to: ``root_dir/name/version_N`` (expanded where the logger expands), or the
+        str version as is instead of ``version_N``."""
         version = self.version if isinstance(self.version, str) else f"version_{self.version}"
-        return os.path.join(self.root_dir, version)
+        return os.path.join(self._experiment_dir, version)
 
     def _check_writable(self) -> None:
         """Create ``log_dir``, or raise an ``OSError`` naming it and what is in the way (a file where a folder

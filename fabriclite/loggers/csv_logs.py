@@ -58,6 +58,21 @@ class CSVLogger(_VersionedLogger):
         self._rows_logged = 0
         self._hparams: dict[str, Any] = {}
         self._last_save = time.monotonic()
+        self._reuse_checked = False
+
+    def _warn_if_replacing(self) -> None:
+        # Once, at .experiment or the first row, as Lightning warns; the old file is replaced only at the first write
+        # (Lightning deletes it here), so a run that never logs leaves it in place.
+        if self._reuse_checked:
+            return
+        self._reuse_checked = True
+        if self._columns_on_disk is None and os.path.isfile(os.path.join(self.log_dir, "metrics.csv")):
+            warnings.warn(
+                f"Experiment logs directory {self.log_dir} exists and is not empty: its metrics.csv from an earlier "
+                "run is replaced when this logger first writes. Pass version=None to log into a new version_N "
+                "folder instead.",
+                stacklevel=4,
+            )
 
     @property
     def experiment(self) -> _ExperimentWriter:
@@ -67,6 +82,7 @@ class CSVLogger(_VersionedLogger):
 
         Usage: ``logger.experiment.log_metrics({"loss": 0.25}, step=3)``
         """
+        self._warn_if_replacing()
         os.makedirs(self.log_dir, exist_ok=True)
         return _ExperimentWriter(self)
 
@@ -86,6 +102,7 @@ class CSVLogger(_VersionedLogger):
             raise TypeError(f"step must be an int or None, got {type(step).__name__}: {step!r}")
         if self._rows_logged == 0 and self._columns_on_disk is None:
             self._check_writable()  # at the first row, as Lightning: not hours later, at the first flush
+            self._warn_if_replacing()
         row["step"] = step
         for key in row:
             if key not in self._columns:
@@ -141,13 +158,7 @@ class CSVLogger(_VersionedLogger):
                 raise
         else:
             if self._columns_on_disk is None:
-                old_rows = []
-                if os.path.exists(path):
-                    warnings.warn(
-                        f"{path} exists from an earlier run and is being replaced. Pass version=None to "
-                        "log into a new version_N folder instead.",
-                        stacklevel=2,
-                    )
+                old_rows = []  # an earlier run's file is replaced (the warning came with the first row)
             else:
                 with open(path, newline="") as file:
                     old_rows = list(csv.DictReader(file))

@@ -55,10 +55,9 @@ class TensorBoardLogger(_VersionedLogger):
             raise ModuleNotFoundError(_MISSING)
         # Lightning expands variables (and a leading "~") in the log_dir it writes to: root_dir="$SCRATCH/logs",
         # name="run_$SLURM_JOB_ID". Expanding the parts here keeps the version_N scan in that same folder.
-        root_dir = os.path.expanduser(os.path.expandvars(os.fspath(root_dir)))
         name = os.path.expandvars(name) if name else name
         version = os.path.expandvars(version) if isinstance(version, str) else version
-        super().__init__(root_dir, name, version, prefix)
+        super().__init__(root_dir, name, version, prefix, expand=True)
         self._default_hp_metric = default_hp_metric
         self._sub_dir = None if sub_dir is None else os.path.expandvars(os.fspath(sub_dir))
         self._kwargs = kwargs

@@ -31,10 +31,16 @@ class Strategy:
     syncs_in_forward = False
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
+        if checkpoint_io is not None and not isinstance(checkpoint_io, CheckpointIO):
+            raise TypeError(
+                f"{type(self).__name__}(checkpoint_io={checkpoint_io!r}) expects a CheckpointIO (such as "
+                "TorchCheckpointIO()) or None."
+            )
         self.accelerator: Accelerator | None = None
         self.precision: Precision | None = None
         self.checkpoint_io: CheckpointIO = checkpoint_io or TorchCheckpointIO()
         self.root_device = torch.device("cpu")
+        self._device: torch.device | None = None  # the one device the user named, if any (SingleDeviceStrategy)
         self.__dict__.update(self._process_state())
 
     def _process_state(self) -> dict[str, Any]:
@@ -53,14 +59,19 @@ class Strategy:
 
     def configure(self, accelerator: Accelerator, num_nodes: int = 1) -> None:
         """Called by Fabric in the process the user started: the hardware is known, nothing runs yet."""
+        if self._device is not None and self._device.type != accelerator.device(0).type:
+            raise ValueError(
+                f"{type(self).__name__}(device={str(self._device)!r}) is a {self._device.type} device, but the "
+                f"accelerator is {accelerator.name!r}: pass Fabric(accelerator={self._device.type!r}) with it."
+            )
         self.accelerator = accelerator
-        self.root_device = accelerator.device(self.local_rank)
+        self.root_device = self._device or accelerator.device(self.local_rank)
 
     def setup_environment(self) -> None:
         """Called in each process once it runs (after launch): make the device current, join process groups.
         Calling it again does nothing more."""
         assert self.accelerator is not None, "Strategy.configure comes first"
-        self.root_device = self.accelerator.device(self.local_rank)
+        self.root_device = self._device or self.accelerator.device(self.local_rank)
         self.accelerator.setup_device(self.root_device)
         rank_zero_only.rank = self.global_rank  # a forked or spawned process imported it before it knew its rank
 
@@ -221,4 +232,25 @@ class _SkipInit(torch.overrides.TorchFunctionMode):
 
 
 class SingleDeviceStrategy(Strategy):
-    """One process on one device. Usage: ``Fabric(strategy="single_device")`` or the default for one device."""
+    """One process on one device: ``device`` (as in Lightning: ``"cuda:1"``, ``torch.device("cuda", 1)``), or the
+    accelerator's first device when None.
+
+    Usage: ``Fabric(strategy="single_device")``, the default for one device, or
+    ``Fabric(accelerator="cuda", strategy=SingleDeviceStrategy(device="cuda:1"))``.
+    """
+
+    def __init__(
+        self, device: torch.device | str | int | None = None, *, checkpoint_io: CheckpointIO | None = None
+    ) -> None:
+        super().__init__(checkpoint_io)
+        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device, type(None))):
+            raise TypeError(
+                f"SingleDeviceStrategy(device={device!r}) expects a device: a string such as 'cuda:1', a "
+                "torch.device, an index, or None for the accelerator's first device; pass checkpoint_io by keyword."
+            )
+        try:
+            self._device = None if device is None else torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"SingleDeviceStrategy(device={device!r}) is not a device: {error}") from None
+        if self._device is not None:
+            self.root_device = self._device

@@ -1,5 +1,5 @@
 """Helpers for training scripts, at Lightning Fabric's import path ``lightning.fabric.utilities`` and its submodules
-(``.rank_zero``, ``.seed``, ``.apply_func``, ``.data``, ``.throughput``).
+(``.rank_zero``, ``.seed``, ``.apply_func``, ``.data``, ``.throughput``, ``.warnings``).
 
 Usage: ``from fabriclite.utilities import seed_everything, move_data_to_device, ThroughputMonitor``.
 """

@@ -5,6 +5,6 @@ Usage: ``DataLoader(dataset, num_workers=suggested_max_num_workers(fabric.world_
 """
 
 from fabriclite._collections import AttributeDict
-from fabriclite.data import suggested_max_num_workers
+from fabriclite.data import has_iterable_dataset, has_len, suggested_max_num_workers
 
-__all__ = ["AttributeDict", "suggested_max_num_workers"]
+__all__ = ["AttributeDict", "has_iterable_dataset", "has_len", "suggested_max_num_workers"]

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ def test_logs_go_to_root_dir_name_version_folder(tmp_path):
     logger = CSVLogger(tmp_path, name="exp")
     logger.log_metrics({"loss": 1.0}, step=0)
     logger.finalize("success")
-    assert logger.root_dir == str(tmp_path / "exp")
+    assert logger.root_dir == str(tmp_path)  # the argument as given, as in Lightning
     assert logger.log_dir == str(tmp_path / "exp" / "version_0")
     assert (tmp_path / "exp" / "version_0" / "metrics.csv").is_file()
 
@@ -61,14 +62,31 @@ def test_an_empty_name_puts_versions_directly_under_root_dir(tmp_path):
     assert logger.log_dir == str(tmp_path / "version_0")
 
 
-def test_reusing_a_version_folder_replaces_its_metrics_csv_with_a_warning(tmp_path):
+def second_run_in_version_0(tmp_path):
     first = CSVLogger(tmp_path, version=0)
     first.log_metrics({"old": 1.0}, step=0)
     first.finalize("success")
-    second = CSVLogger(tmp_path, version=0)
-    second.log_metrics({"new": 2.0}, step=0)
-    with pytest.warns(UserWarning, match="metrics.csv exists.*version=None"):
-        second.finalize("success")
+    return CSVLogger(tmp_path, version=0)
+
+
+def test_reusing_a_version_folder_replaces_its_metrics_csv_with_a_warning_at_the_first_row(tmp_path):
+    second = second_run_in_version_0(tmp_path)
+    with pytest.warns(UserWarning, match="Experiment logs directory .* exists and is not empty.*version=None"):
+        second.log_metrics({"new": 2.0}, step=0)
+    second.finalize("success")
+    assert read_rows(second) == [{"step": "0", "new": "2.0"}]
+
+
+def test_the_overwrite_warning_comes_at_experiment_as_in_lightning_but_the_old_file_stays_until_a_write(tmp_path):
+    second = second_run_in_version_0(tmp_path)
+    with pytest.warns(UserWarning, match="Experiment logs directory .* exists and is not empty"):
+        _ = second.experiment
+    second.finalize("success")  # nothing logged: the earlier run's rows are still there (Lightning deletes them)
+    assert read_rows(second) == [{"step": "0", "old": "1.0"}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per logger
+        second.log_metrics({"new": 2.0}, step=0)
+    second.finalize("success")
     assert read_rows(second) == [{"step": "0", "new": "2.0"}]
 
 

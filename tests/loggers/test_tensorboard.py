@@ -36,7 +36,7 @@ def test_version_auto_increments_past_existing_version_folders(tmp_path):
     (tmp_path / "lightning_logs" / "version_1").mkdir()
     logger = TensorBoardLogger(tmp_path)
     assert logger.version == 2
-    assert logger.root_dir == str(tmp_path / "lightning_logs")
+    assert logger.root_dir == str(tmp_path)  # the argument as given, as in Lightning
 
 
 def test_sub_dir_is_appended_to_the_version_folder(tmp_path):
@@ -239,6 +239,23 @@ def test_variables_and_home_in_the_path_are_expanded_as_in_lightning(tmp_path, m
     monkeypatch.setenv("HOME", str(tmp_path))
     logger = TensorBoardLogger("~/tb", version="v$FABRICLITE_TEST_JOB")
     assert logger.log_dir == str(tmp_path / "tb" / "lightning_logs" / "v17")
+    assert logger.root_dir == "~/tb"  # the argument as given, as in Lightning
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+@pytest.mark.parametrize("kind", ["CSVLogger", "TensorBoardLogger"])
+def test_root_dir_is_the_argument_as_given_and_log_dir_the_folder_written(root, kind, tmp_path, monkeypatch):
+    import importlib
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    monkeypatch.chdir(tmp_path)
+    logger = getattr(importlib.import_module(root + ".loggers"), kind)("logs", name="exp")
+    assert logger.root_dir == "logs"  # code joining root_dir and name finds the experiment, as under Lightning
+    assert logger.log_dir == os.path.join("logs", "exp", "version_0")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert (tmp_path / "logs" / "exp" / "version_0").is_dir()
 
 
 def test_a_file_where_the_folder_should_be_raises_at_the_first_log_naming_it(tmp_path):

@@ -32,7 +32,7 @@ def test_rates_are_the_change_over_the_window_per_second():
     assert metrics["device/flops_per_sec"] == pytest.approx(70 / 3) and metrics["flops_per_sec"] == pytest.approx(
         140 / 3
     )
-    assert metrics["device/mfu"] == pytest.approx(70 / 3 / 100) and metrics["mfu"] == pytest.approx(70 / 3 / 100)
+    assert metrics["device/mfu"] == pytest.approx(70 / 3 / 100) and "mfu" not in metrics  # Lightning has no global one
     throughput.reset()
     assert throughput.compute() == {}
 
@@ -47,17 +47,27 @@ def test_one_device_reports_no_totals_across_devices_and_no_mfu_without_a_peak()
 
 
 @pytest.mark.parametrize(
-    ("update", "message"),
+    ("update", "error", "message"),
     [
-        ({"time": 0.5, "batches": 3, "samples": 8}, "time=0.5 is less than the previous time=1.0"),
-        ({"time": 2.0, "batches": 3, "samples": 2}, "samples=2 is less than batches=3"),
-        ({"time": 2.0, "batches": 3, "samples": 8, "lengths": 9}, "pass lengths at every update or never"),
+        ({"time": 0.5, "batches": 3, "samples": 8}, ValueError, r"time=0.5 after time=1.0"),
+        ({"time": 1.0, "batches": 3, "samples": 8}, ValueError, r"time=1.0 after time=1.0"),
+        ({"time": 2.0, "batches": 1, "samples": 8}, ValueError, r"batches=1 after batches=2"),
+        (
+            {"time": 2.0, "batches": 3, "samples": 2},
+            ValueError,
+            r"samples \(2\) to be greater or equal than batches \(3\)",
+        ),
+        (
+            {"time": 2.0, "batches": 3, "samples": 8, "lengths": 9},
+            RuntimeError,
+            "pass lengths at every update or never",
+        ),
     ],
 )
-def test_updates_that_are_not_running_totals_are_refused(update, message):
+def test_updates_that_are_not_running_totals_are_refused(update, error, message):
     throughput = Throughput()
     throughput.update(time=1.0, batches=2, samples=4)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         throughput.update(**update)
     assert throughput.compute()["time"] == 1.0  # the refused update left nothing behind
 
@@ -105,3 +115,21 @@ def test_the_monitor_logs_rates_and_mfu_through_the_fabric(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")))
     assert [row["step"] for row in rows] == ["0", "1", "2"]
     assert float(rows[-1]["device/samples_per_sec"]) == 4 and float(rows[-1]["device/mfu"]) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_the_keys_across_devices_are_lightnings_with_no_global_mfu(root):
+    import importlib
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    meter = importlib.import_module(root + ".utilities.throughput").Throughput(
+        available_flops=100.0, world_size=2, window_size=2
+    )
+    meter.update(time=1.0, batches=1, samples=4, lengths=40, flops=10)
+    meter.update(time=2.0, batches=2, samples=8, lengths=80, flops=20)
+    assert set(meter.compute()) == {
+        "time", "batches", "samples", "lengths",
+        "device/batches_per_sec", "device/samples_per_sec", "device/items_per_sec", "device/flops_per_sec",
+        "device/mfu", "batches_per_sec", "samples_per_sec", "items_per_sec", "flops_per_sec",
+    }  # fmt: skip

@@ -1,4 +1,5 @@
-"""Which hardware runs the work: CPU, CUDA or MPS, and which device indices of it."""
+"""Which hardware runs the work: CPU, CUDA or MPS, and which device indices of it (Lightning's paths
+``accelerators.cuda`` and ``accelerators.mps`` re-export from here)."""
 
 from __future__ import annotations
 
