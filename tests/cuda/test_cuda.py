@@ -191,3 +191,20 @@ def test_a_checkpoint_saved_on_cuda_loads_in_a_cpu_only_process_and_back_on_cuda
 
 def test_the_checkpoint_check_runs_on_the_cpu(tmp_path):
     checkpoint_through_a_cpu_only_process(CPU, tmp_path)
+
+
+# ---------------------------------------------------------------------- Lightning's device behaviour
+@pytest.mark.gpu
+def test_a_model_on_cpu_and_cuda_warns_in_setup_and_ends_on_the_strategy_s_device():
+    # The CPU twin (a meta parameter, the only second device a CPU has) is in tests/test_lightning_names.py.
+    from fabriclite.strategies import SingleDeviceStrategy
+    from fabriclite.utilities.warnings import PossibleUserWarning
+
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    fabric = Fabric(accelerator="cuda", strategy=SingleDeviceStrategy(device=last))
+    model = torch.nn.Sequential(torch.nn.Linear(1, 2), torch.nn.Linear(2, 2, device=CUDA))
+    match = rf"has 2 parameters on different devices \(for example '1.weight' on {CUDA}:0 and '0.weight' on cpu\)"
+    with pytest.warns(PossibleUserWarning, match=match):
+        wrapped = fabric.setup(model)
+    assert fabric.device == wrapped.device == last
+    assert {p.device for p in model.parameters()} == {last}
