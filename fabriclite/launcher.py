@@ -20,7 +20,6 @@ signal's number once it has stayed blocked ``INTERRUPT_GRACE_S`` seconds, so an 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import inspect
 import os
 import pickle
@@ -32,10 +31,17 @@ import time
 from typing import Any, Callable
 
 from fabriclite.plugins.environments import free_port
+from fabriclite.supervisor import (  # what every way of starting processes shares
+    LAUNCHER_ENV,
+    SIBLING_EXIT_GRACE_S,
+    Supervisor,
+    _die_with_parent,
+    _exit_code,
+    _rank_env,
+    max_restarts,
+)
 
-LAUNCHER_ENV = "FABRICLITE_LAUNCHER"
 INTERRUPT_GRACE_S = 10.0
-SIBLING_EXIT_GRACE_S = 1.0  # after an error here, how long to wait for a dying child to show its exit
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 _guarded = False  # stop_on_interrupt runs once per process
 
@@ -80,14 +86,6 @@ class InProcessLauncher:
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return function(*args, **kwargs)
-
-
-def _die_with_parent() -> None:
-    # Linux: the kernel sends SIGKILL to this child when the process that started it dies, however it dies.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def stop_on_interrupt(children: list[subprocess.Popen]) -> None:
@@ -191,17 +189,6 @@ def _script_command() -> list[str]:
     return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
 
 
-def _rank_env(rank: int, local_rank: int, world_size: int, node_rank: int, address: str, port: int) -> dict[str, str]:
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world_size),
-        "NODE_RANK": str(node_rank),
-        "MASTER_ADDR": address,
-        "MASTER_PORT": str(port),
-    }
-
-
 class SubprocessLauncher:
     """Re-runs the script for local ranks 1..N-1; this process is local rank 0. Usage: via ``fabric.launch()``."""
 
@@ -222,6 +209,9 @@ class SubprocessLauncher:
                 "fabric.launch() was already called; it starts the processes, so call it once per Fabric."
             )
         self._started = True
+        if self.processes > 1 and max_restarts():
+            # This process only watches: every rank is its child, so the whole group can be started again.
+            sys.exit(Supervisor(_script_command(), self.processes, max_restarts()).run())
         self._start()
         return function(*args, **kwargs)
 
@@ -306,11 +296,6 @@ class SubprocessLauncher:
             if code != 0 and not self._killing:  # those this process stopped itself: its own error is the news
                 self._report(child, code, "this run failed")
                 os._exit(_exit_code(code))
-
-
-def _exit_code(returncode: int) -> int:
-    # A child killed by signal N (returncode -N) makes this process exit the way shells report it: 128 + N.
-    return returncode if returncode > 0 else 128 - returncode
 
 
 def _process_entry(local_rank: int, processes: int, port: int, start_method: str, payload: Any, results: Any) -> None:

@@ -16,6 +16,7 @@ Usage: ``Supervisor([sys.executable, "train.py"], processes=2, max_restarts=1).r
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -23,21 +24,39 @@ import sys
 import time
 from typing import Any
 
-from fabriclite.launcher import (
-    LAUNCHER_ENV,
-    SIBLING_EXIT_GRACE_S,
-    _die_with_parent,
-    _exit_code,
-    _rank_env,
-    _script_command,
-)
 from fabriclite.plugins.environments import free_port
 from fabriclite.preemption import PREEMPTED_EXIT_CODE, SIGNALS, requeue
 
+LAUNCHER_ENV = "FABRICLITE_LAUNCHER"  # who started a rank: our launchers set it, and ranks read it
+SIBLING_EXIT_GRACE_S = 1.0  # after a rank's error, how long to wait for a dying sibling to show its exit
 RESTART_ENV = "FABRICLITE_RESTART_COUNT"
 MAX_RESTARTS_ENV = "FABRICLITE_MAX_RESTARTS"  # for fabric.launch(), which has no command line
 DEFAULT_DEADLINE_S = 300.0  # after a preemption notice, how long the ranks may take to save and exit
 _FORWARDED = (signal.SIGINT, *SIGNALS)
+
+
+def _die_with_parent() -> None:
+    # Linux: the kernel sends SIGKILL to this child when the process that started it dies, however it dies.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank_env(rank: int, local_rank: int, world_size: int, node_rank: int, address: str, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "NODE_RANK": str(node_rank),
+        "MASTER_ADDR": address,
+        "MASTER_PORT": str(port),
+    }
+
+
+def _exit_code(returncode: int) -> int:
+    # A child killed by signal N (returncode -N) makes this process exit the way shells report it: 128 + N.
+    return returncode if returncode > 0 else 128 - returncode
 
 
 def how_it_ended(returncode: int) -> str:
@@ -60,23 +79,6 @@ def max_restarts() -> int:
     if count < 0:
         raise ValueError(f"{MAX_RESTARTS_ENV}={value!r} must be a whole number, 0 or more (how often to restart).")
     return count
-
-
-class SupervisedLauncher:
-    """``fabric.launch()`` with ``FABRICLITE_MAX_RESTARTS=N``: this process only watches; every rank, rank 0
-    included, is its child, so the whole group can be started again when one dies. Usage: via ``fabric.launch()``."""
-
-    starts_processes = True
-    needs_function = False
-
-    def __init__(self, processes: int, restarts: int) -> None:
-        self.processes = processes
-        self.restarts = restarts
-        self.children: list[subprocess.Popen] = []  # the Supervisor owns the ranks; nothing for the strategy to stop
-
-    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run the script as every rank under a Supervisor and exit with its code; ``function`` runs in the ranks."""
-        sys.exit(Supervisor(_script_command(), self.processes, self.restarts).run())
 
 
 def say(message: str) -> None:

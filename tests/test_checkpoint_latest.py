@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import SCRIPTS, python_env
+from helpers import SCRIPTS, python_env, run_python
 
 from fabriclite import Fabric
 from fabriclite.checkpoint import CheckpointError, TorchCheckpointIO
@@ -166,3 +166,16 @@ def test_asynchronous_save_refuses_to_replace_a_users_file_at_once(fabric, tmp_p
         fabric.save(tmp_path / "step-1.ckpt", {"step": 1}, asynchronous=True)
     fabric.save(tmp_path / "step-2.ckpt", {"step": 2}, asynchronous=True)  # no earlier failure left behind
     assert (tmp_path / "step-1.ckpt").read_text() == "not a checkpoint\n"
+
+
+def test_an_asynchronous_save_at_the_end_of_a_script_is_finished_before_it_exits(fabric, tmp_path):
+    """Python stops thread pools (the checksums use one) before it joins threads: the write must end first."""
+    path = tmp_path / "step-1.ckpt"
+    code = (
+        "import torch; from fabriclite import Fabric; "
+        f"Fabric(accelerator='cpu', devices=1).save({str(path)!r}, {{'w': torch.ones(16 * 2**20)}}, asynchronous=True)"
+    )
+    run_python("-c", code, timeout=120)
+    state = {"w": None}
+    assert fabric.load_latest(tmp_path, state) == path
+    assert torch.all(state["w"] == 1)

@@ -4,14 +4,16 @@ goes on.
 
 One save at a time: the next save, and ``load_latest``, first wait for the previous write to finish, and if it
 failed, every rank raises its ``CheckpointError`` there. The write is the atomic write of a synchronous save, so a
-crash or SIGKILL during it leaves the previous checkpoint the newest complete one. The interpreter waits for a
-write still running when the script ends (the thread is not a daemon). The CPU copy is kept and copied into again
+crash or SIGKILL during it leaves the previous checkpoint the newest complete one. A write still running when
+the script ends is finished first, and a failure said on stderr. The CPU copy is kept and copied into again
 at the next save: it costs one copy of the state in memory for the rest of the run.
 """
 
 from __future__ import annotations
 
+import atexit
 import re
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,30 @@ def start(strategy: Any, path: Any, checkpoint: dict[str, Any], save_file: Any, 
 
     write.thread = threading.Thread(target=run, name="fabriclite-async-save", daemon=False)
     write.thread.start()
+    _finish_at_exit()
+
+
+_registered = False
+
+
+def _finish_at_exit() -> None:
+    # When the script ends, Python stops thread pools (the checksums are computed on one) before it joins threads
+    # like ours: finish the write first, and say if it failed, since no later save will.
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    register = getattr(threading, "_register_atexit", None)  # runs before thread pools stop; Python >= 3.9
+    (register or atexit.register)(_join_at_exit)
+
+
+def _join_at_exit() -> None:
+    write = _pending
+    if write is None or write.thread is None:
+        return
+    write.thread.join()
+    if write.error is not None:
+        print(f"fabriclite: the last asynchronous checkpoint was not saved: {write.error}", file=sys.stderr, flush=True)
 
 
 def wait(strategy: Any) -> None:

@@ -29,7 +29,6 @@ from fabriclite.plugins.environments import (
     detect_environment,
 )
 from fabriclite.strategies.strategy import Strategy
-from fabriclite.supervisor import SupervisedLauncher, max_restarts
 from fabriclite.watchdog import StallWatchdog, saying_who_has_not_joined
 
 # How a launch starts the processes: run the script again ("popen" is Lightning's name for it), or multiprocessing.
@@ -114,8 +113,6 @@ class ParallelStrategy(Strategy):
                 f"num_nodes={num_nodes} needs the processes to be started by torchrun, SLURM or "
                 "`fabriclite run --num-nodes`; a plain `python script.py` starts processes on one node only."
             )
-        elif self.start_method in ("subprocess", "popen") and self.local_processes > 1 and max_restarts():
-            self.launcher = SupervisedLauncher(self.local_processes, max_restarts())
         elif self.start_method in ("subprocess", "popen"):
             self.launcher = SubprocessLauncher(self.local_processes)
         else:
