@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import SCRIPTS, passed, run_python, sigkill, start_python
+from helpers import SCRIPTS, assert_passed, passed, run_python, sigkill, start_python
 from torch import nn
 
 from fabriclite.checkpoint import CheckpointError
@@ -30,10 +30,6 @@ CHECKS = [
     "clip_gradients clips every shard by it",
     "an optimizer built after setup_module is kept as is",
     "an optimizer that already stepped is refused with what to do",
-    "empty_init builds on meta on every rank but 0",
-    "empty_init weights equal a normal init with the same seed",
-    "empty_init buffers equal too, also non-persistent ones",
-    "the random stream continues as after a normal init",
     "a sharded checkpoint is a directory with every rank's shards",
     "sharded checkpoint restores the step",
     "sharded: resuming mid-epoch reproduces the weights exactly",
@@ -74,6 +70,25 @@ def two_process_run(checkpoints):
 @pytest.fixture(scope="module")
 def one_process_run(two_process_run, checkpoints):
     return run_python(str(SCRIPTS / "fsdp_load_one.py"), str(checkpoints), timeout=180).stdout
+
+
+EMPTY_INIT_CHECKS = [
+    "empty_init builds on the meta device on every rank",
+    "each rank holds its shards only",
+    "reset_parameters filled the shards",
+    "a Linear gets its usual init",
+    "the shards of one weight are not copies of each other",
+    "every rank holds slices of the same weights",
+    "an optimizer built over meta parameters and set up with the model steps the shards",
+    "a checkpoint load fills an empty-init model",
+    "an optimizer over meta parameters of a model not set up is refused in Lightning's words",
+    "a module without reset_parameters is named in Lightning's warning",
+]
+
+
+def test_empty_init_builds_on_meta_everywhere_and_setup_fills_only_each_ranks_shards(tmp_path):
+    out = run_python(str(SCRIPTS / "fsdp_empty_init.py"), str(tmp_path), timeout=300).stdout
+    assert_passed(out, EMPTY_INIT_CHECKS)
 
 
 @pytest.mark.parametrize("name", CHECKS)

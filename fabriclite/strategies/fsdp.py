@@ -12,9 +12,12 @@ Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one
   fp32; ops on other fp32 tensors run in the low dtype). Gradients are reduced in fp32 into fp32 shards, and
   outputs come back in fp32.
 - Optimizers built on the unsharded model are pointed at the shards (same groups, order and hyperparameters).
-- ``init_module(empty_init=True)``: rank 0 builds the model on the CPU, the others on the meta device; each rank's
-  slice then comes from rank 0, so the weights equal a model built on the CPU with the same seed, whatever order its
-  init code draws in, buffers computed in ``__init__`` included.
+- ``init_module(empty_init=True)``: every rank builds the model on the meta device (no memory). ``setup_module``
+  then, unit by unit, gives the unit's tensors storage, fills them with its modules' ``reset_parameters()`` (the
+  same numbers on every rank) and shards it at once, so a rank holds its shards plus one unit in full at most. The
+  weights are a fresh init, not those of a model built normally with the same seed; what ``reset_parameters``
+  does not fill (buffers computed in ``__init__``) stays uninitialised, with a warning, until a checkpoint is loaded.
+  Without empty init, every rank takes its slice of rank 0's weights, as DDP broadcasts them.
 - Checkpoints: ``state_dict_type`` picks the format in ``fabriclite.checkpoint``: "sharded", a folder every rank
   writes its shards into, or "full", one file from rank 0 in the form a one-process checkpoint has.
 
@@ -45,10 +48,13 @@ from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.strategies.sharding import (
     ModulePolicy,
     has_meta,
+    materialize,
+    meta_init,
     module_policy,
     named_tensors,
     no_gradient_sync,
-    rank_zero_init,
+    refuse_meta_optimizer,
+    warn_uninitialized,
 )
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -139,10 +145,9 @@ class FSDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ building and sharding
     def module_init_context(self, empty_init: bool | None = None) -> ContextManager:
-        """With ``empty_init``, rank 0 builds the model on the CPU and the other ranks on the meta device (no memory);
-        ``setup_module`` then gives every rank its slice of rank 0's weights, which therefore equal a model built on
-        the CPU with the same seed, whatever its init code does."""
-        return rank_zero_init(self) if empty_init else nullcontext()
+        """With ``empty_init``, every rank builds the model on the meta device (no memory); ``setup_module`` then
+        gives each rank storage for its own shards only, filled by the modules' ``reset_parameters()``."""
+        return meta_init() if empty_init else nullcontext()
 
     def module_to_device(self, module: nn.Module) -> None:
         """Nothing to do here: ``fully_shard`` moves each shard to the device (or keeps it on the CPU with offload),
@@ -158,25 +163,27 @@ class FSDPStrategy(ParallelStrategy):
             raise ValueError(
                 f"{type(module).__name__} already contains fully_shard modules; pass fabric.setup the plain model."
             )
-        rank_zero_meta = self.broadcast(self.is_global_zero and has_meta(module))
-        if rank_zero_meta:
+        metas = self.all_gather_object(has_meta(module))
+        if any(metas) and not all(metas):
             raise ValueError(
-                "The model on rank 0 has parameters or buffers on the meta device, so there are no weights to shard. "
-                "Build it inside `with fabric.init_module(empty_init=True):` (rank 0 then builds it on the CPU, the "
-                "other ranks on the meta device), or load real weights into it before fabric.setup."
+                f"The model has parameters or buffers on the meta device on ranks {[r for r, m in enumerate(metas) if m]} "
+                "only. Build it the same way on every rank: inside `with fabric.init_module(empty_init=True):` (the meta "
+                "device everywhere, each rank's shard initialised in setup), or with real weights everywhere."
             )
         # Rank 0's full weights, taken before sharding replaces the parameters (aliases: fully_shard may move the
         # parameters' data to the device, these stay where the model was built).
         source = (
             {name: t.detach() for name, t in named_tensors(module).items()}
-            if self.is_global_zero and self.world_size > 1
+            if self.is_global_zero and self.world_size > 1 and not metas[0]
             else {}
         )
         old_params = [(name, weakref.ref(p)) for name, p in module.named_parameters()]
+        self._uninitialized: list[str] = []
         module = self._shard(module)
-        if has_meta(module):
-            module.to_empty(device="cpu" if self.cpu_offload else self.root_device)
-        if self.world_size > 1:
+        if has_meta(module):  # what _shard left on the meta device (ModelParallelStrategy's parallelize_fn)
+            self._uninitialized += materialize(module, self._materialize_device)
+        warn_uninitialized(self._uninitialized)
+        if self.world_size > 1 and not metas[0]:
             self._copy_from_rank_zero(module, source)
         new_params = dict(module.named_parameters())
         for name, old in old_params:
@@ -206,10 +213,17 @@ class FSDPStrategy(ParallelStrategy):
             if self.cpu_offload
             else OffloadPolicy(),
         }
-        for unit in reversed(units):  # innermost first: a unit's parameters must not be claimed by an outer one
+        # Innermost first: a unit's parameters must not be claimed by an outer one. After an empty init, each unit
+        # gets storage just before it is sharded, so one unit at a time is ever whole.
+        for unit in [*reversed(units), module]:
+            if has_meta(unit):
+                self._uninitialized += materialize(unit, self._materialize_device)
             fully_shard(unit, **options)
-        fully_shard(module, **options)
         return module
+
+    @property
+    def _materialize_device(self) -> torch.device:
+        return torch.device("cpu") if self.cpu_offload else self.root_device
 
     def compile_module(self, module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
         """Compile each FSDP unit that ``setup_module`` made, then the root, in place (``nn.Module.compile``): the
@@ -250,8 +264,10 @@ class FSDPStrategy(ParallelStrategy):
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point an optimizer built on the unsharded model at the sharded parameters (same groups, same order,
-        same hyperparameters). An optimizer built after ``setup_module`` is already right."""
+        same hyperparameters). An optimizer built after ``setup_module`` is already right; one over the meta
+        parameters of a model not set up yet is refused, as in Lightning Fabric."""
         self._remap_optimizer(optimizer)
+        refuse_meta_optimizer(optimizer)
         self._optimizers.add(optimizer)
         return optimizer
 

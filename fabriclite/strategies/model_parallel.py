@@ -2,7 +2,7 @@
 ``parallelize_fn(model, mesh)`` applies tensor parallelism (``parallelize_module``) on the mesh's "tensor_parallel"
 dimension and FSDP2 (``fully_shard``) on its "data_parallel" dimension, in that order, as torchtitan does.
 
-Everything after the user's function is FSDP's (``FSDPStrategy``): empty init on rank 0 and slices copied from it,
+Everything after the user's function is FSDP's (``FSDPStrategy``): materialising an empty init's slices,
 optimizers pointed at the new parameters, gradient clipping over DTensors, sharded DCP checkpoints. What differs:
 the mesh, the data (ranks of one tensor-parallel group read the same batch, so metrics sync over the data-parallel
 ranks only), and who parallelizes the model.
@@ -23,7 +23,7 @@ from fabriclite import collectives
 from fabriclite.plugins.environments import ClusterEnvironment
 from fabriclite.strategies.fsdp import FSDPStrategy
 from fabriclite.strategies.mesh import MESH_DIMS, model_parallel_mesh
-from fabriclite.strategies.sharding import has_meta, no_gradient_sync
+from fabriclite.strategies.sharding import no_gradient_sync
 
 
 class ModelParallelStrategy(FSDPStrategy):
@@ -92,11 +92,8 @@ class ModelParallelStrategy(FSDPStrategy):
         return dp_mesh.size(), dp_mesh.get_local_rank()
 
     def _shard(self, module: nn.Module) -> nn.Module:
-        if self.world_size > 1 and any(self.all_gather_object(has_meta(module))):
-            # An empty init: the other ranks hold meta tensors, so rank 0's real ones would make parallelize_fn's
-            # distribute_tensor calls communicate on rank 0 alone. Rank 0's weights are kept aside by setup_module
-            # and copied into every rank's slices afterwards.
-            module.to("meta")
+        # After an empty init the model is on the meta device on every rank; setup_module materialises the shards
+        # parallelize_fn made (reset_parameters on each rank's DTensor slices).
         try:
             result = self.parallelize_fn(module, self.device_mesh)
         except KeyError as err:

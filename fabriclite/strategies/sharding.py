@@ -1,21 +1,24 @@
 """What the sharding strategies (``FSDPStrategy`` and ``ModelParallelStrategy``) share: choosing the units (the
 layer-class policies; the default units, ``repeated_blocks``, are in ``fabriclite._blocks``), building the model on
-rank 0 alone (``rank_zero_init``), and skipping the gradient reduction of FSDP units (``no_gradient_sync``).
+the meta device and giving each rank storage for its shard only (``meta_init``, ``materialize``), and skipping the
+gradient reduction of FSDP units (``no_gradient_sync``).
 
-Usage: ``with rank_zero_init(strategy): model = build()``.
+Usage: ``with meta_init(): model = build()``.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Union
+from typing import Callable, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from fabriclite.rank_zero import rank_zero_warn
 
 # A set of layer classes, or a function telling whether a module is one unit.
 ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bool], None]
@@ -71,22 +74,91 @@ class _ForceDevice(torch.overrides.TorchFunctionMode):
 
 
 @contextmanager
-def rank_zero_init(strategy: Any) -> Iterator[None]:
-    """``init_module(empty_init=True)`` under a sharding strategy: rank 0 builds the model on the CPU, the other ranks
-    on the meta device; afterwards every rank's random stream is where an ordinary init on every rank leaves it."""
-    if strategy.world_size > 1 and not dist.is_initialized():
-        raise RuntimeError(
-            "fabric.init_module(empty_init=True) under FSDP needs the processes running: call fabric.launch() first."
-        )
-    rng_before = torch.get_rng_state()
-    with _ForceDevice("cpu" if strategy.is_global_zero else "meta"):
+def meta_init() -> Iterator[None]:
+    """``init_module(empty_init=True)`` under a sharding strategy: every rank builds the model on the meta device,
+    which takes no memory; ``setup_module`` then gives each rank storage for its shard only (``materialize``)."""
+    with _ForceDevice("meta"):
         yield
-    if strategy.world_size > 1:
-        # Only rank 0 drew its init from the random stream. Ranks that started from the same state continue from
-        # where rank 0 ended, exactly as after an ordinary init on every rank.
-        zero_before, zero_after = strategy.broadcast((rng_before, torch.get_rng_state()))
-        if torch.equal(rng_before, zero_before):
-            torch.set_rng_state(zero_after)
+
+
+def materialize(module: nn.Module, device: torch.device | str) -> list[str]:
+    """Give the meta tensors of ``module`` and its submodules storage on ``device`` and fill them with each owning
+    module's ``reset_parameters()`` (torch's own modules have one; ``_reset_parameters`` too, as in
+    ``nn.MultiheadAttention``), in the order a constructor runs them: children first, in order, then the parent.
+
+    A DTensor (already sharded by a ``parallelize_fn``) is initialised whole, the same on every rank, and each rank
+    keeps its slice: DTensor's own random ops give every rank the same slice on a CPU. So one module at a time is
+    whole. Returns the class names of the modules that hold meta tensors and have no reset method: their memory is
+    uninitialised until a checkpoint is loaded into it. Usage: ``missing = materialize(block, "cpu")``.
+    """
+    missing: list[str] = []
+    for sub in _children_first(module, set()):
+        if not any(t.is_meta for t in itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))):
+            continue
+        sub.to_empty(device=device, recurse=False)
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+        if not callable(reset):
+            missing.append(type(sub).__name__)
+            continue
+        with torch.no_grad(), _whole_tensors(sub):
+            reset()
+    return missing
+
+
+def _children_first(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    for child in module.children():
+        yield from _children_first(child, seen)
+    yield module
+
+
+@contextmanager
+def _whole_tensors(module: nn.Module) -> Iterator[None]:
+    """Inside the block, ``module``'s own DTensors are plain full-size tensors; afterwards each DTensor takes its
+    slice of what the block wrote (no communication: every rank computed the same full tensor)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    swapped = []
+    for store in (module._parameters, module._buffers):
+        for name, tensor in store.items():
+            if isinstance(tensor, DTensor):
+                whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.to_local().device)
+                is_param = isinstance(tensor, nn.Parameter)
+                store[name] = nn.Parameter(whole, requires_grad=tensor.requires_grad) if is_param else whole
+                swapped.append((store, name, tensor))
+    try:
+        yield
+    finally:
+        for store, name, tensor in swapped:
+            whole = store[name].detach()
+            store[name] = tensor
+            local = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+            tensor.to_local().copy_(local)
+
+
+def warn_uninitialized(missing: list[str]) -> None:
+    """Warn (rank 0) in Lightning Fabric's words which module classes kept uninitialised memory after ``materialize``."""
+    if missing:
+        rank_zero_warn(
+            "Parameter initialization incomplete. The following modules have parameters or buffers with uninitialized "
+            f"memory because they don't define a `reset_parameters()` method for re-initialization: "
+            f"{', '.join(sorted(set(missing)))}. Load a checkpoint into the model (fabric.load) before training, or "
+            "give those modules a reset_parameters() that initialises their own parameters and buffers.",
+            stacklevel=6,
+        )
+
+
+def refuse_meta_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise (Lightning Fabric's error) when ``optimizer`` still holds meta parameters no set-up model replaced."""
+    if any(p.is_meta for group in optimizer.param_groups for p in group["params"]):
+        raise RuntimeError(
+            "The optimizer has references to the model's meta-device parameters (built under "
+            "fabric.init_module(empty_init=True)), which no model set up with this Fabric replaced. Set up the model "
+            "first, `model = fabric.setup_module(model)`, then create the optimizer over `model.parameters()` and "
+            "call `optimizer = fabric.setup_optimizers(optimizer)`; or pass both to `fabric.setup(model, optimizer)`."
+        )
 
 
 # ---------------------------------------------------------------------- the step: gradient sync

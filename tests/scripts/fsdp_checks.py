@@ -148,19 +148,7 @@ def main():
         refused = str(err)
     check("an optimizer that already stepped is refused with what to do", "fabric.setup_module(model)" in refused)
 
-    # ---------------------------------------------------------------- empty init
-    seed_everything(7, verbose=False)
-    plain = ViT(dropout=0.1)
-    plain_next = torch.rand(3)
-    seed_everything(7, verbose=False)
-    with fabric.init_module(empty_init=True):
-        empty = ViT(dropout=0.1)
-    empty_next = torch.rand(3)
-    check("empty_init builds on meta on every rank but 0", all(p.is_meta == (rank != 0) for p in empty.parameters()))
-    empty = fabric.setup(empty)
-    check("empty_init weights equal a normal init with the same seed", same(full(empty), plain.state_dict()))
-    check("empty_init buffers equal too, also non-persistent ones", torch.equal(empty.module.offset, plain.offset))
-    check("the random stream continues as after a normal init", torch.equal(empty_next, plain_next))
+    # empty init: fsdp_empty_init.py
 
     # ---------------------------------------------------------------- checkpoints and exact resume
     seed_everything(3, verbose=False)
