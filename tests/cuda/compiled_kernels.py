@@ -81,7 +81,7 @@ def kernel_cases() -> dict[str, KernelCase]:
             },
             kernels.linear_cross_entropy,
             lambda hidden, weight, target: F.cross_entropy(F.linear(hidden, weight), target),
-            ("_cross_entropy_forward_kernel",),
+            ("_linear_cross_entropy_forward_kernel", "_linear_cross_entropy_backward_kernel"),
             torch.float32,
         ),
         "rms_norm": KernelCase(
@@ -239,14 +239,15 @@ class Block(nn.Module):
 
 
 def train_compiled(device: torch.device, kernels: bool, compile: Any, steps: int = 4) -> dict[str, Any]:
-    """Train two blocks for ``steps`` steps under bf16-mixed with ``compile``; the compile report, the Triton
+    """Train a stem and two blocks for ``steps`` steps under bf16-mixed with ``compile``; the compile report, the Triton
     kernels launched, and the losses."""
     from fabriclite.kernels import _common
 
     seed_everything(0, verbose=False)
     torch._dynamo.reset()  # each run compiles afresh: its report counts its own graphs, not a cache hit
     fabric = Fabric(accelerator=accelerator(device), precision="bf16-mixed", compile=compile, kernels=kernels)
-    model = nn.Sequential(Block(), Block(), nn.LayerNorm(64), nn.Linear(64, 10))
+    # A stem before the blocks: every block's input then needs a gradient, so the two share one regional graph.
+    model = nn.Sequential(nn.Linear(64, 64), Block(), Block(), nn.LayerNorm(64), nn.Linear(64, 10))
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     x = torch.randn(4, 8, 64, device=fabric.device)  # few rows: Triton's interpreter runs them one by one
     y = torch.randint(0, 10, (4,), device=fabric.device)
