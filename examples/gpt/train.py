@@ -109,7 +109,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tp", type=at_least(1), default=1, help="tensor-parallel size: N ranks split each block, FSDP2 over the rest"
     )
-    parser.add_argument("--precision", default="bf16-mixed", help="e.g. bf16-mixed, 32-true, 16-mixed, bf16-true")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help="e.g. bf16-mixed, 32-true, 16-mixed, bf16-true; default: what a launcher (`fabriclite run --precision`) "
+        "set, else bf16-mixed",
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (Fabric(compile=True))")
     parser.add_argument(
         "--kernels",
@@ -143,6 +148,7 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--resume: no checkpoint at {args.out_dir / CHECKPOINT}. Run without --resume to start one.")
     if not args.prompt:
         parser.error("--prompt must not be empty: the model needs at least one byte to continue.")
+    args.precision = args.precision or os.environ.get("FABRICLITE_CLI_PRECISION", "bf16-mixed")  # a launcher's
     if args.tp > 1 and args.devices == "auto":  # tensor parallel needs the number: a launcher's, else 1
         args.devices = int(os.environ.get("WORLD_SIZE", "1"))
     n_head = (QUICK_MODEL if args.quick else GPTConfig()).n_head

@@ -127,12 +127,12 @@ def test_ddp_on_two_processes_accumulates_without_syncing_every_micro_batch_and_
     assert "sample:\ndef " in out, out
 
 
-def test_the_launcher_starts_it_on_two_processes_with_devices_left_at_auto(tmp_path):
+def test_the_launcher_starts_it_on_two_processes_with_devices_and_precision_left_to_it(tmp_path):
     out = run_python(
-        "-m", "fabriclite.cli", "run", "--devices", "2", TRAIN, *QUIET, "--max-steps", "3", "--eval-every", "3",
-        "--out-dir", str(tmp_path), timeout=180,
+        "-m", "fabriclite.cli", "run", "--devices", "2", "--precision", "32-true", TRAIN, *QUIET, "--max-steps", "3",
+        "--eval-every", "3", "--out-dir", str(tmp_path), timeout=180,
     ).stdout  # fmt: skip
-    assert "2 process(es) on cpu" in out, out
+    assert "2 process(es) on cpu, precision 32-true" in out, out
     assert out.count("final val loss") == 1, out
 
 
