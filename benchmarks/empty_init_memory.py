@@ -4,8 +4,10 @@ on 2 CPU processes: built normally (the whole model in every process; before thi
 each unit given storage and initialised just before it is sharded).
 
 The model: 16 blocks of ``Linear(4096, 4096)`` (268 M parameters, 1.07 GB in fp32). The figure is rank 0's peak
-RSS (``ru_maxrss``) minus its RSS just before building, after the process group is up. Goal: at most about half
-the model above that baseline with ``empty_init=True``.
+RSS minus its RSS just before building. The baseline is read after a tiny model has been built and set up the same
+way, so what FSDP's first setup imports and allocates once per process is not counted as the model's; the peak is
+the kernel's high-water mark (``VmHWM``), reset at the baseline. Goal: at most about half the model above that
+baseline with ``empty_init=True``.
 
 Each variant runs in its own 2 processes, one variant after the other (at most 2 processes at a time).
 Usage: ``python benchmarks/empty_init_memory.py``.
@@ -34,20 +36,36 @@ def current_rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (VmHWM) to the current RSS
+        f.write("5")
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def run_variant(variant: str) -> None:
     from fabriclite import Fabric, seed_everything
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy="fsdp")
     fabric.launch()
     seed_everything(0, verbose=False)
-    fabric.barrier()
+
+    def build(width: int) -> nn.Module:
+        with fabric.init_module(empty_init=variant == "empty"):
+            model = nn.Sequential(*(nn.Linear(width, width) for _ in range(DEPTH)))
+        return fabric.setup(model)
+
+    build(8)  # FSDP's fixed cost (imports, first allocations), paid once per process: not the model's
     gc.collect()
-    baseline = current_rss()
-    with fabric.init_module(empty_init=variant == "empty"):
-        model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)))
-    model = fabric.setup(model)
     fabric.barrier()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    reset_peak_rss()
+    baseline = current_rss()
+    model = build(WIDTH)
+    fabric.barrier()
+    peak = peak_rss()
     if fabric.is_global_zero:
         print("RESULT " + json.dumps({"baseline": baseline, "peak": peak, "after": current_rss()}), flush=True)
 
