@@ -6,8 +6,8 @@ Each round runs ``--steps`` steps of every variant, in an order that rotates fro
 machine hits all alike), saving every ``--every`` steps but not at the last step (so every write overlaps training)
 into a temporary folder (``keep_last=1``). Reported on rank 0:
 
-- the time the ``fabric.save`` call holds the loop (an asynchronous save: waiting for the previous write, the
-  random streams' all-gather, the copy to CPU memory), per save;
+- the time the ``fabric.save`` call holds the loop (an asynchronous save: waiting for the previous write, one
+  collective, the copy to CPU memory), per save;
 - the loop's whole time over the loop without saves, per save: this also counts the steps slowed down while the
   background thread writes (on a 2-core machine it takes a core from the ranks);
 - and what reading ``fabric.preempted`` (one all-reduce of one number) costs per step.

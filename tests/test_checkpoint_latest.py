@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import SCRIPTS, python_env, run_python
+from helpers import SCRIPTS, assert_passed, python_env, run_python
 
 from fabriclite import Fabric
 from fabriclite.checkpoint import CheckpointError, TorchCheckpointIO
@@ -166,6 +166,19 @@ def test_asynchronous_save_refuses_to_replace_a_users_file_at_once(fabric, tmp_p
         fabric.save(tmp_path / "step-1.ckpt", {"step": 1}, asynchronous=True)
     fabric.save(tmp_path / "step-2.ckpt", {"step": 2}, asynchronous=True)  # no earlier failure left behind
     assert (tmp_path / "step-1.ckpt").read_text() == "not a checkpoint\n"
+
+
+def test_on_two_ranks_an_asynchronous_failure_or_refusal_raises_on_every_rank(tmp_path):
+    """Only rank 0 writes; its failed write, and its refusal to replace a user's file, raise on rank 1 as well."""
+    result = run_python(str(SCRIPTS / "async_save_ranks.py"), str(tmp_path), timeout=180)
+    assert_passed(
+        result.stdout,
+        [
+            "failed write raises on every rank",
+            "occupied target refused on every rank",
+            "newest agreed after failures",
+        ],
+    )
 
 
 def test_an_asynchronous_save_at_the_end_of_a_script_is_finished_before_it_exits(fabric, tmp_path):

@@ -78,10 +78,12 @@ def check_state(state: Any, filter: Mapping[str, Callable] | None) -> None:
             raise ValueError(f"filter[{key!r}] must name a key of state and be a callable (name, value) -> bool.")
 
 
-def capture_meta(strategy: Any, precision: Any) -> dict[str, Any]:
-    """What ``fabric.save`` adds: each rank's random streams (a collective), so every rank resumes drawing exactly
-    what it would have drawn, and the precision's state (the loss scaler)."""
-    return {"rng_per_rank": strategy.all_gather_object(capture_rng_state()), "precision": precision.state_dict()}
+def capture_meta(strategy: Any, precision: Any, rng_per_rank: list[Any] | None = None) -> dict[str, Any]:
+    """What ``fabric.save`` adds: each rank's random streams, so every rank resumes drawing exactly what it would
+    have drawn (gathered here, a collective, unless given), and the precision's state (the loss scaler)."""
+    if rng_per_rank is None:
+        rng_per_rank = strategy.all_gather_object(capture_rng_state())
+    return {"rng_per_rank": rng_per_rank, "precision": precision.state_dict()}
 
 
 def restore_meta(meta: dict[str, Any], precision: Any, rank: int, path: Any = "") -> None:
@@ -211,12 +213,22 @@ def save_state(
 ) -> None:
     """What ``fabric.save`` does on every rank: wait for the previous asynchronous save, add the random streams and
     the loss scaler, write through the strategy (or in the background), then remove the checkpoints beyond the
-    ``keep`` newest complete ones named like ``path`` (``latest.keep_last``)."""
+    ``keep`` newest complete ones named like ``path`` (``latest.keep_last``). Before the write, one collective
+    (``background.settle``) says on every rank how the previous asynchronous write ended, whether an asynchronous
+    save may replace what is at ``path``, and gathers the random streams."""
     from fabriclite.checkpoint import background
 
     check_keep_last(keep)
-    background.wait(strategy)
-    meta = capture_meta(strategy, precision)
+    if asynchronous:
+        background.check_strategy(strategy)
+    path = Path(path)
+    io = strategy.checkpoint_io
+    # A synchronous save checks on its own when it writes; a plugin's own file format is its own to judge.
+    check = asynchronous and (isinstance(io, TorchCheckpointIO) or not path.is_file())
+    _, rng_per_rank = background.settle(
+        strategy, path, (lambda: check_replaceable(path)) if check else None, capture_rng_state()
+    )
+    meta = capture_meta(strategy, precision, rng_per_rank)
     after = None if keep is None else lambda: keep_last(path, keep)
     if asynchronous:
         background.start(strategy, path, to_checkpoint(state, meta, filter), _save_file, after)
@@ -230,8 +242,8 @@ def latest(strategy: Any, folder: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint in ``folder`` as rank 0 finds it, on every rank (None: a fresh start)."""
     from fabriclite.checkpoint import background
 
-    background.wait(strategy)
-    return agreed(strategy, lambda: newest_complete(folder), check_folder(folder), fail=lambda _, error: error)
+    found, _ = background.settle(strategy, check_folder(folder), lambda: newest_complete(folder), fail=lambda _, e: e)
+    return found
 
 
 def load(

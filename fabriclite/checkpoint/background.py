@@ -3,7 +3,9 @@ training waits (a copy, not a write), then rank 0 writes that copy to disk in a 
 goes on.
 
 One save at a time: the next save, and ``load_latest``, first wait for the previous write to finish, and if it
-failed, every rank raises its ``CheckpointError`` there. The write is the atomic write of a synchronous save, so a
+failed, every rank raises its ``CheckpointError`` there. A save makes one collective (``settle``): rank 0's outcome
+of the previous write, rank 0's verdict on the new target and every rank's random streams travel together, since
+each collective waits for the slowest rank. The write is the atomic write of a synchronous save, so a
 crash or SIGKILL during it leaves the previous checkpoint the newest complete one. A write still running when
 the script ends is finished first, and a failure said on stderr. The CPU copy is kept and copied into again
 at the next save: it costs one copy of the state in memory for the rest of the run.
@@ -16,13 +18,12 @@ import re
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from fabriclite._collections import map_with_path
-from fabriclite.checkpoint.errors import CheckpointError, agreed, save_failure
-from fabriclite.checkpoint.files import TorchCheckpointIO, check_replaceable
+from fabriclite.checkpoint.errors import CheckpointError, save_failure
 
 
 class _Write:
@@ -32,22 +33,26 @@ class _Write:
         self.path: Path | None = None
 
 
-_pending: _Write | None = None  # every rank sets it at the same saves: the collectives in wait() line up
+_pending: _Write | None = None  # set on every rank; only rank 0's has a thread
 
 
-def start(strategy: Any, path: Any, checkpoint: dict[str, Any], save_file: Any, after: Any = None) -> None:
-    """Snapshot ``checkpoint`` (a collective for sharded tensors), then write it on rank 0 in a background thread
-    with ``save_file(checkpoint, path, checkpoint_io)``, then call ``after()`` there. Every rank calls it."""
-    global _pending
+def check_strategy(strategy: Any) -> None:
+    """``ValueError`` unless ``strategy`` saves one file, which an asynchronous save writes."""
     if getattr(strategy, "state_dict_type", "full") == "sharded":
         raise ValueError(
             "fabric.save(..., asynchronous=True) writes one file, and this strategy saves a sharded folder "
             "(state_dict_type='sharded'). Use asynchronous=False, or state_dict_type='full'."
         )
+
+
+def start(strategy: Any, path: Any, checkpoint: dict[str, Any], save_file: Any, after: Any = None) -> None:
+    """Snapshot ``checkpoint`` (a collective for sharded tensors), then write it on rank 0 in a background thread
+    with ``save_file(checkpoint, path, checkpoint_io)``, then call ``after()`` there. Every rank calls it, after a
+    ``settle`` that checked the target (``save_file`` checks it again before it writes)."""
+    global _pending
+    check_strategy(strategy)
     path = Path(path)
     io = strategy.checkpoint_io
-    if isinstance(io, TorchCheckpointIO) or not path.is_file():  # the background write checks again
-        agreed(strategy, lambda: check_replaceable(path), path)
     keep = strategy.is_global_zero
     snapshot = map_with_path(checkpoint, torch.Tensor, lambda key, tensor: _copied(tensor, keep, (str(path), key)))
     write = _Write()
@@ -98,21 +103,48 @@ def _join_at_exit() -> None:
         print(f"fabriclite: the last asynchronous checkpoint was not saved: {write.error}", file=sys.stderr, flush=True)
 
 
-def wait(strategy: Any) -> None:
-    """Wait for the previous asynchronous save to finish; if it failed, raise its error on every rank. Every rank
-    calls it before the next save; without an asynchronous save since the last call, it does nothing."""
+def settle(
+    strategy: Any,
+    path: Any,
+    rank_zero_work: Callable[[], Any] | None = None,
+    mine: Any = None,
+    fail: Callable = save_failure,
+) -> tuple[Any, list[Any]]:
+    """Wait for the previous asynchronous write, run ``rank_zero_work`` on rank 0, and share, in one collective,
+    both outcomes and every rank's ``mine``: return (``rank_zero_work()``'s result, every rank's ``mine`` in rank
+    order). If the write failed, every rank raises its ``CheckpointError``; else if the work failed, every rank
+    raises ``fail(path, error)``. Every rank calls it, before each save and ``load_latest``.
+
+    Usage: ``_, rng_per_rank = settle(strategy, path, lambda: check_replaceable(path), capture_rng_state())``.
+    """
     global _pending
     write, _pending = _pending, None
-    if write is None:
-        return
-    if write.thread is not None:
-        write.thread.join()
+    outcome: tuple[str, Any] = ("ok", None)
+    if strategy.is_global_zero:
+        if write is not None and write.thread is not None:
+            write.thread.join()
+        if write is not None and write.error is not None:
+            outcome = ("failed", write.error)
+        elif rank_zero_work is not None:
+            try:
+                outcome = ("ok", rank_zero_work())
+            except Exception as error:
+                failure = fail(Path(path), error)
+                if failure is not error:
+                    failure.__cause__ = error
+                outcome = ("failed", failure)
+    gathered = strategy.all_gather_object((outcome, mine))
+    status, value = gathered[0][0]
+    if status == "failed":
+        raise value
+    return value, [theirs for _, theirs in gathered]
 
-    def outcome() -> None:
-        if write.error is not None:
-            raise write.error
 
-    agreed(strategy, outcome, write.path, fail=lambda _, error: error)
+def wait(strategy: Any) -> None:
+    """Wait for the previous asynchronous save to finish; if it failed, raise its error on every rank. Every rank
+    calls it; without an asynchronous save since the last call, it does nothing."""
+    if _pending is not None:  # set on every rank at the same saves: the collective lines up
+        settle(strategy, _pending.path)
 
 
 # The CPU copies of the last snapshot, by checkpoint name pattern and place in the state: the next save copies into
