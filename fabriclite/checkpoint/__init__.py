@@ -231,7 +231,8 @@ def save_state(
     meta = capture_meta(strategy, precision, rng_per_rank)
     after = None if keep is None else lambda: keep_last(path, keep)
     if asynchronous:
-        background.start(strategy, path, to_checkpoint(state, meta, filter), _save_file, after)
+        stepped = background.stepped_storages(state)
+        background.start(strategy, path, to_checkpoint(state, meta, filter), _save_file, after, stepped)
         return
     strategy.save_checkpoint(path, state, meta, filter)
     if after is not None and strategy.is_global_zero:
@@ -260,6 +261,8 @@ def load(
 
     Usage: ``remainder, meta = load("last.ckpt", {"model": model})``.
     """
+    if state is not None:
+        _wait_for_copy()
     if Path(path).is_dir():
         checkpoint = load_sharded(Path(path), state, weights_only, verify)
     else:
@@ -309,10 +312,18 @@ def load_raw(
     that ``torch.save`` stores in the file are checked first (``verify``)."""
     if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         raise TypeError(f"fabric.load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
+    _wait_for_copy()
     state_dict = safe_load(path, weights_only=weights_only, verify=verify)
     load_state_dict(
         obj, state_dict, strict, path, "the " + ("module" if isinstance(obj, torch.nn.Module) else "optimizer")
     )
+
+
+def _wait_for_copy() -> None:
+    # Loading into objects an asynchronous save is still copying would change what it copies.
+    from fabriclite.checkpoint import background
+
+    background.check_copy()
 
 
 def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ at the next save: it costs one copy of the state in memory for the rest of the r
 from __future__ import annotations
 
 import atexit
+import copy
 import re
 import sys
 import threading
@@ -23,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from fabriclite._collections import map_with_path
-from fabriclite.checkpoint.errors import CheckpointError, save_failure
+from fabriclite.checkpoint.errors import CheckpointError, first_line, save_failure
 
 
 class _Write:
@@ -45,16 +46,25 @@ def check_strategy(strategy: Any) -> None:
         )
 
 
-def start(strategy: Any, path: Any, checkpoint: dict[str, Any], save_file: Any, after: Any = None) -> None:
-    """Snapshot ``checkpoint`` (a collective for sharded tensors), then write it on rank 0 in a background thread
-    with ``save_file(checkpoint, path, checkpoint_io)``, then call ``after()`` there. Every rank calls it, after a
+def start(
+    strategy: Any,
+    path: Any,
+    checkpoint: dict[str, Any],
+    save_file: Any,
+    after: Any = None,
+    stepped: frozenset[int] = frozenset(),
+) -> None:
+    """Snapshot ``checkpoint`` as it is now (``_snapshot``; a collective for sharded tensors), then on rank 0, in a
+    background thread, copy what the snapshot left to copy, write it with ``save_file(checkpoint, path,
+    checkpoint_io)`` and call ``after()``. ``stepped``: the storages (``data_ptr``) of the tensors that only a wrapped
+    optimizer's step changes (its parameters and state), which the thread copies. Every rank calls it, after a
     ``settle`` that checked the target (``save_file`` checks it again before it writes)."""
-    global _pending
+    global _pending, _copying
     check_strategy(strategy)
     path = Path(path)
     io = strategy.checkpoint_io
     keep = strategy.is_global_zero
-    snapshot = map_with_path(checkpoint, torch.Tensor, lambda key, tensor: _copied(tensor, keep, (str(path), key)))
+    snapshot, copying = _snapshot(checkpoint, str(path), keep, stepped)
     write = _Write()
     write.path = path
     _pending = write
@@ -63,6 +73,10 @@ def start(strategy: Any, path: Any, checkpoint: dict[str, Any], save_file: Any, 
 
     def run() -> None:
         try:
+            copying.run()
+            copying.checked.wait()  # the loop's thread says whether a source changed while it was copied
+            if copying.changed:
+                raise CheckpointError(path, "changed", _changed_message(path, copying.changed))
             save_file(snapshot, path, io)
             if after is not None:
                 after()
@@ -75,9 +89,23 @@ def start(strategy: Any, path: Any, checkpoint: dict[str, Any], save_file: Any, 
                 )
             )
 
+    if copying.watched:
+        _copying = copying  # the loop's thread checks it, in check_copy
+    else:
+        copying.checked.set()  # nothing the loop can change is copied later
     write.thread = threading.Thread(target=run, name="fabriclite-async-save", daemon=False)
     write.thread.start()
     _finish_at_exit()
+
+
+def _changed_message(path: Path, changed: list[str]) -> str:
+    names = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    return (
+        f"{str(path)!r} was not saved: {names} changed in place after fabric.save(..., asynchronous=True) and "
+        "before the background copy of it could be checked (at the optimizer's next step), so the copy may not be "
+        "the state at the save. Change parameters and optimizer state only in the optimizer's step until then, or "
+        "save with asynchronous=False. The previous checkpoint is still the newest complete one."
+    )
 
 
 _registered = False
@@ -98,6 +126,7 @@ def _join_at_exit() -> None:
     write = _pending
     if write is None or write.thread is None:
         return
+    check_copy()
     write.thread.join()
     if write.error is not None:
         print(f"fabriclite: the last asynchronous checkpoint was not saved: {write.error}", file=sys.stderr, flush=True)
@@ -122,6 +151,7 @@ def settle(
     outcome: tuple[str, Any] = ("ok", None)
     if strategy.is_global_zero:
         if write is not None and write.thread is not None:
+            check_copy()
             write.thread.join()
         if write is not None and write.error is not None:
             outcome = ("failed", write.error)
@@ -147,18 +177,129 @@ def wait(strategy: Any) -> None:
         settle(strategy, _pending.path)
 
 
+def check_copy(block: bool = True) -> None:
+    """Call on the training loop's thread before anything may change what the last asynchronous save copies in the
+    background (the wrapped optimizer's step and ``load_state_dict``, loading a checkpoint, the next save): wait for
+    that copy to end, then check that nothing it copied changed in place since the save call (the tensors' version
+    counters), which lets the writer go on or makes the save fail. ``block=False`` only checks a copy that has
+    ended. Without a copy under way it does nothing. Usage: ``background.check_copy()`` first thing in ``step``."""
+    global _copying
+    copying = _copying
+    if copying is None or not (block or copying.copied.is_set()):
+        return
+    copying.copied.wait()
+    copying.changed = [name for name, tensor, version in copying.watched if tensor._version != version]
+    _copying = None
+    copying.checked.set()
+
+
+class _Copy:
+    """What rank 0's writer thread copies before it writes: ``pairs`` of (source, CPU buffer), and ``watched``, the
+    (name, source, version at the save call) that the loop's thread checks in ``check_copy`` once ``copied`` is set,
+    setting ``changed`` and then ``checked``."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], watched: list[tuple[str, torch.Tensor, int]]):
+        self.pairs = pairs
+        self.watched = watched
+        self.copied = threading.Event()
+        self.checked = threading.Event()
+        self.changed: list[str] = []
+        # A GPU copy starts after the work queued before the save call: it waits for this event on its own stream.
+        cuda = [source for source, _ in pairs if source.is_cuda]
+        self.ready = torch.cuda.current_stream(cuda[0].device).record_event() if cuda else None
+
+    def run(self) -> None:
+        try:
+            if self.ready is None:
+                for source, buffer in self.pairs:
+                    buffer.copy_(source)  # large tensors copy on torch's intra-op threads
+                return
+            stream = torch.cuda.Stream(self.ready.device)
+            stream.wait_event(self.ready)
+            with torch.cuda.stream(stream):
+                for source, buffer in self.pairs:
+                    buffer.copy_(source, non_blocking=True)  # into pinned memory: asynchronous
+            stream.synchronize()
+        finally:
+            self.copied.set()
+
+
+_copying: _Copy | None = None  # rank 0's copy under way, until the loop's thread has checked it
+
+
+def _snapshot(checkpoint: dict[str, Any], path: str, keep: bool, stepped: frozenset[int]) -> tuple[Any, _Copy]:
+    # Everything but tensors is copied now: containers, numbers, arrays, user objects (a deep copy that keeps each
+    # tensor as it is). Tensors go three ways: a sharded one is gathered now (a collective, so on every rank, in the
+    # same order) into a new tensor nobody else holds, copied later; one that only a wrapped optimizer's step changes
+    # (`stepped`) is copied later on the writer's thread, and watched; any other (buffers, which forward changes; the
+    # user's own tensors) is copied now, as are all tensors a deep copy finds inside other objects.
+    tensors: list[torch.Tensor] = []
+    map_with_path(checkpoint, torch.Tensor, lambda _, tensor: tensors.append(tensor))
+    memo: dict[int, Any] = {id(tensor): tensor for tensor in tensors}
+    copied: dict[str, Any] = {}
+    for key, value in checkpoint.items():
+        try:
+            copied[key] = copy.deepcopy(value, memo)
+        except Exception as error:
+            raise TypeError(
+                f"fabric.save(..., asynchronous=True) copies the state as it is at the call, and state[{key!r}] "
+                f"cannot be copied ({type(error).__name__}: {first_line(error)}). Make it copyable (copy.deepcopy), "
+                "or save with asynchronous=False."
+            ) from error
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    watched: list[tuple[str, torch.Tensor, int]] = []
+
+    def take(key: tuple, tensor: torch.Tensor) -> torch.Tensor | None:
+        gathered = type(tensor).__name__ == "DTensor"
+        if gathered:
+            tensor = tensor.full_tensor()  # a collective
+        if not keep:
+            return None
+        buffer = _buffer((path, key), tensor)
+        if gathered:
+            pairs.append((tensor, buffer))
+        elif _storage(tensor) in stepped:
+            pairs.append((tensor.detach(), buffer))
+            watched.append(("state" + "".join(f"[{part!r}]" for part in key), tensor, tensor._version))
+        else:
+            buffer.copy_(tensor.detach())
+        return buffer
+
+    return map_with_path(copied, torch.Tensor, take), _Copy(pairs, watched)
+
+
+def stepped_storages(state: Any) -> frozenset[int]:
+    """Where the tensors live (their storages' ``data_ptr``) that only the step of an optimizer in ``state`` changes,
+    for the optimizers whose step and ``load_state_dict`` call ``check_copy`` (those from ``fabric.setup``): their
+    parameters and their state. An asynchronous save copies those in the background."""
+    tensors = []
+    for optimizer in (value for value in state.values() if getattr(type(value), "checks_async_copy", False)):
+        tensors += [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        tensors += [value for per_parameter in optimizer.state.values() for value in per_parameter.values()]
+    return frozenset(_storage(tensor) for tensor in tensors if isinstance(tensor, torch.Tensor)) - {None}
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    # None for what has no version counter to watch or no storage of its own: inference tensors, sparse, subclasses.
+    if (
+        tensor.layout is not torch.strided
+        or tensor.is_inference()
+        or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+    ):
+        return None
+    return tensor.untyped_storage().data_ptr() or None  # 0: empty
+
+
 # The CPU copies of the last snapshot, by checkpoint name pattern and place in the state: the next save copies into
 # them (its previous write has ended by then), which costs a third of copying into fresh memory (no page faults).
+# For a GPU's tensors they are pinned, so the copy off the GPU is asynchronous.
 _buffers: dict[tuple, torch.Tensor] = {}
 
 
-def _copied(tensor: torch.Tensor, keep: bool, key: tuple) -> torch.Tensor | None:
-    if type(tensor).__name__ == "DTensor":
-        tensor = tensor.full_tensor()  # a collective: every rank walks the same tensors in the same order
-    if not keep:
-        return None
+def _buffer(key: tuple, tensor: torch.Tensor) -> torch.Tensor:
     key = (re.sub(r"\d+", "#", key[0]), key[1])
     buffer = _buffers.get(key)
     if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-        buffer = _buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-    return buffer.copy_(tensor.detach())
+        pin = tensor.is_cuda
+        buffer = _buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+    return buffer

@@ -25,6 +25,7 @@ REASONS = (
     "unreadable",
     "occupied",
     "mismatch",
+    "changed",
 )
 
 
