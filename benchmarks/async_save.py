@@ -6,8 +6,10 @@ Each round runs ``--steps`` steps of every variant, in an order that rotates fro
 machine hits all alike), saving every ``--every`` steps but not at the last step (so every write overlaps training)
 into a temporary folder (``keep_last=1``). Reported on rank 0:
 
-- the time the ``fabric.save`` call holds the loop (an asynchronous save: waiting for the previous write, one
-  collective, the copy to CPU memory), per save;
+- the time a save holds the loop, per save: the ``fabric.save`` call (an asynchronous save: waiting for the previous
+  write, one collective, copying what the loop may change before the next optimizer step), plus, for an
+  asynchronous save, the time the next optimizer step waits for the background copy of the parameters and the
+  optimizer state (shown on its own too);
 - the loop's whole time over the loop without saves, per save: this also counts the steps slowed down while the
   background thread writes (on a 2-core machine it takes a core from the ranks);
 - and what reading ``fabric.preempted`` (one all-reduce of one number) costs per step.
@@ -56,17 +58,23 @@ def main() -> None:
     megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     batch = torch.randn(16, width)
 
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}  # (loop s, held s per save)
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in VARIANTS}  # loop s, held, waits
+    waits = CopyWaits()
     with tempfile.TemporaryDirectory() as folder:
         folder = fabric.broadcast(folder)
         for round_index in range(args.rounds + 1):  # round 0 warms up
             order = VARIANTS[round_index % 3 :] + VARIANTS[: round_index % 3]
             for name in order:
-                loop, held = run(fabric, model, optimizer, batch, name, args, Path(folder) / name.replace(" ", "-"))
+                target = Path(folder) / name.replace(" ", "-")
+                loop, held, waited = run(fabric, model, optimizer, batch, name, args, target, waits)
                 if round_index:
-                    results[name].append((loop, held))
+                    results[name].append((loop, held, waited))
                 if fabric.is_global_zero:
-                    print(f"round {round_index} {name}: loop {loop:.2f} s, held {held:.3f} s per save", file=sys.stderr)
+                    print(
+                        f"round {round_index} {name}: loop {loop:.2f} s, held {held:.3f} s per save "
+                        f"({waited:.3f} s of it in the next step)",
+                        file=sys.stderr,
+                    )
     # What reading fabric.preempted once per step costs: one all-reduce of one number across the ranks.
     fabric.barrier()
     start = time.perf_counter()
@@ -76,48 +84,72 @@ def main() -> None:
     if not fabric.is_global_zero:
         return
     saves = saves_per_round(args)
-    base = statistics.median(loop for loop, _ in results["no saves"])
-    sync_held = statistics.median(held for _, held in results["sync save"])
+    base = statistics.median(loop for loop, _, _ in results["no saves"])
+    sync_held = statistics.median(held for _, held, _ in results["sync save"])
     print("\n".join(describe()))
     print(
         f"\n2 processes (DDP, gloo), model {megabytes:.0f} MB per rank, {args.steps} steps per round, a save every "
         f"{args.every} steps, {args.rounds} rounds (medians)\n"
     )
-    print("| variant | loop s | s held per save | held / sync save | extra loop s per save | extra / sync save |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| variant | loop s | s held per save | of it, the next step waits | held / sync save | extra loop s per save "
+        "| extra / sync save |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name in VARIANTS:
-        loop = statistics.median(loop for loop, _ in results[name])
-        held = statistics.median(held for _, held in results[name])
+        loop = statistics.median(loop for loop, _, _ in results[name])
+        held = statistics.median(held for _, held, _ in results[name])
+        waited = statistics.median(waited for _, _, waited in results[name])
         extra = (loop - base) / saves
-        sync_extra = (statistics.median(loop for loop, _ in results["sync save"]) - base) / saves
+        sync_extra = (statistics.median(loop for loop, _, _ in results["sync save"]) - base) / saves
         if name == "no saves":
-            print(f"| {name} | {loop:.3f} | | | | |")
+            print(f"| {name} | {loop:.3f} | | | | | |")
         else:
             print(
-                f"| {name} | {loop:.3f} | {held:.3f} | {held / sync_held:.1%} | {extra:.3f} | "
+                f"| {name} | {loop:.3f} | {held:.3f} | {waited:.3f} | {held / sync_held:.1%} | {extra:.3f} | "
                 f"{extra / sync_extra:.1%} |"
             )
     step_ms = base / args.steps * 1e3
     print(f"\nReading fabric.preempted: {read_us:.0f} us per read, against {step_ms:.0f} ms per step without saves.")
 
 
-def run(fabric, model, optimizer, batch, name, args, folder: Path) -> tuple[float, float]:
+class CopyWaits:
+    """Counts the seconds the loop's thread spends in ``background.check_copy``: what the optimizer's step (and
+    ``fabric.save``) waits for the background copy of an asynchronous save."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.check_copy = background.check_copy
+        background.check_copy = self  # the wrapped optimizer's step looks it up on the module at each call
+
+    def __call__(self, block: bool = True) -> None:
+        before = time.perf_counter()
+        self.check_copy(block)
+        self.seconds += time.perf_counter() - before
+
+
+def run(fabric, model, optimizer, batch, name, args, folder: Path, waits: CopyWaits) -> tuple[float, float, float]:
     held = 0.0
+    in_saves = 0.0
     fabric.barrier()
     start = time.perf_counter()
+    waited = waits.seconds
     for step in range(1, args.steps + 1):
         loss = model(batch).square().mean()
         optimizer.zero_grad()
         fabric.backward(loss)
         optimizer.step()
         if name != "no saves" and step % args.every == 0 and step < args.steps:  # each write overlaps steps
-            before = time.perf_counter()
+            before, before_waits = time.perf_counter(), waits.seconds
             state = {"model": model, "optimizer": optimizer, "step": step}
             fabric.save(folder / f"step-{step}.ckpt", state, keep_last=1, asynchronous=name == "async save")
             held += time.perf_counter() - before
+            in_saves += waits.seconds - before_waits
     loop = time.perf_counter() - start
+    step_waits = waits.seconds - waited - in_saves
     background.wait(fabric.strategy)  # the last write ends before the next variant starts, outside the timing
-    return loop, held / saves_per_round(args)
+    saves = saves_per_round(args)
+    return loop, (held + step_waits) / saves, step_waits / saves
 
 
 def saves_per_round(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """An asynchronous save writes the state exactly as it was at the call, however the loop changes it right after."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -148,6 +149,22 @@ def test_changes_after_the_optimizer_step_are_not_mistaken_for_changes_during_th
     fabric.save(tmp_path / "step-2.ckpt", state, asynchronous=True)
     fabric.load_latest(tmp_path / "none-here", {})
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-1.ckpt", "step-2.ckpt"]
+
+
+def test_an_evaluation_after_an_asynchronous_save_lets_its_write_begin_without_another_step(fabric, tmp_path):
+    model, optimizer = setup_training(fabric)
+    forward = model._fabric_forward
+    path = tmp_path / "step-1.ckpt"
+    fabric.save(path, {"model": model, "optimizer": optimizer}, asynchronous=True)
+    model.eval()
+    deadline = time.monotonic() + 120
+    with torch.no_grad():
+        while not path.exists() and time.monotonic() < deadline:  # only forward runs: no step, save or load
+            model(torch.randn(4, 256))
+            time.sleep(0.01)
+    assert path.exists()
+    assert model._fabric_forward == forward  # the forward is the plain one again once the copy is checked
+    fabric.load_latest(tmp_path, {"model": model})
 
 
 def test_a_value_that_cannot_be_copied_is_refused_at_the_call_naming_its_key(fabric, tmp_path):

@@ -231,8 +231,7 @@ def save_state(
     meta = capture_meta(strategy, precision, rng_per_rank)
     after = None if keep is None else lambda: keep_last(path, keep)
     if asynchronous:
-        stepped = background.stepped_storages(state)
-        background.start(strategy, path, to_checkpoint(state, meta, filter), _save_file, after, stepped)
+        background.start(strategy, path, state, to_checkpoint(state, meta, filter), _save_file, after)
         return
     strategy.save_checkpoint(path, state, meta, filter)
     if after is not None and strategy.is_global_zero:

@@ -46,25 +46,18 @@ def check_strategy(strategy: Any) -> None:
         )
 
 
-def start(
-    strategy: Any,
-    path: Any,
-    checkpoint: dict[str, Any],
-    save_file: Any,
-    after: Any = None,
-    stepped: frozenset[int] = frozenset(),
-) -> None:
-    """Snapshot ``checkpoint`` as it is now (``_snapshot``; a collective for sharded tensors), then on rank 0, in a
-    background thread, copy what the snapshot left to copy, write it with ``save_file(checkpoint, path,
-    checkpoint_io)`` and call ``after()``. ``stepped``: the storages (``data_ptr``) of the tensors that only a wrapped
-    optimizer's step changes (its parameters and state), which the thread copies. Every rank calls it, after a
-    ``settle`` that checked the target (``save_file`` checks it again before it writes)."""
+def start(strategy: Any, path: Any, state: Any, checkpoint: dict[str, Any], save_file: Any, after: Any = None) -> None:
+    """Snapshot ``checkpoint`` (made from ``state``) as it is now (``_snapshot``; a collective for sharded tensors),
+    then on rank 0, in a background thread, copy what the snapshot left to copy (the parameters and state of the
+    optimizers in ``state`` whose step calls ``check_copy``), write it with ``save_file(checkpoint, path,
+    checkpoint_io)`` and call ``after()``. Every rank calls it, after a ``settle`` that checked the target
+    (``save_file`` checks it again before it writes)."""
     global _pending, _copying
     check_strategy(strategy)
     path = Path(path)
     io = strategy.checkpoint_io
     keep = strategy.is_global_zero
-    snapshot, copying = _snapshot(checkpoint, str(path), keep, stepped)
+    snapshot, copying = _snapshot(checkpoint, str(path), keep, _stepped_storages(state))
     write = _Write()
     write.path = path
     _pending = write
@@ -91,6 +84,7 @@ def start(
 
     if copying.watched:
         _copying = copying  # the loop's thread checks it, in check_copy
+        copying.forwards = _check_at_forward(state)
     else:
         copying.checked.set()  # nothing the loop can change is copied later
     write.thread = threading.Thread(target=run, name="fabriclite-async-save", daemon=False)
@@ -191,6 +185,28 @@ def check_copy(block: bool = True) -> None:
     copying.changed = [name for name, tensor, version in copying.watched if tensor._version != version]
     _copying = None
     copying.checked.set()
+    for module, forward, checking in copying.forwards:
+        if vars(module).get("_fabric_forward") is checking:  # else something has replaced it since
+            module._fabric_forward = forward
+
+
+def _check_at_forward(state: Any) -> list[tuple[Any, Callable, Callable]]:
+    # A loop may not step again soon (a last save, then a long evaluation): until the copy is checked, the forward of
+    # each model in `state` from fabric.setup checks it if it has ended, so the write begins then. Its
+    # `_fabric_forward` is put back at the check: no cost to forward at any other time.
+    forwards = []
+    for module in state.values():
+        forward = vars(module).get("_fabric_forward") if isinstance(module, torch.nn.Module) else None
+        if forward is None:
+            continue
+
+        def checking(*args: Any, _forward: Callable = forward, **kwargs: Any) -> Any:
+            check_copy(block=False)
+            return _forward(*args, **kwargs)
+
+        module._fabric_forward = checking
+        forwards.append((module, forward, checking))
+    return forwards
 
 
 class _Copy:
@@ -204,6 +220,7 @@ class _Copy:
         self.copied = threading.Event()
         self.checked = threading.Event()
         self.changed: list[str] = []
+        self.forwards: list[tuple[Any, Callable, Callable]] = []  # see _check_at_forward
         # A GPU copy starts after the work queued before the save call: it waits for this event on its own stream.
         cuda = [source for source, _ in pairs if source.is_cuda]
         self.ready = torch.cuda.current_stream(cuda[0].device).record_event() if cuda else None
@@ -268,10 +285,10 @@ def _snapshot(checkpoint: dict[str, Any], path: str, keep: bool, stepped: frozen
     return map_with_path(copied, torch.Tensor, take), _Copy(pairs, watched)
 
 
-def stepped_storages(state: Any) -> frozenset[int]:
-    """Where the tensors live (their storages' ``data_ptr``) that only the step of an optimizer in ``state`` changes,
-    for the optimizers whose step and ``load_state_dict`` call ``check_copy`` (those from ``fabric.setup``): their
-    parameters and their state. An asynchronous save copies those in the background."""
+def _stepped_storages(state: Any) -> frozenset[int]:
+    # Where the tensors live (their storages' data_ptr) that only the step of an optimizer in `state` changes, for
+    # the optimizers whose step and load_state_dict call check_copy (those from fabric.setup): their parameters and
+    # their state.
     tensors = []
     for optimizer in (value for value in state.values() if getattr(type(value), "checks_async_copy", False)):
         tensors += [parameter for group in optimizer.param_groups for parameter in group["params"]]
