@@ -7,10 +7,12 @@ turns that into a value the training loop checks once per step, so it can save a
         break
 
 The first read of ``fabric.preempted`` installs handlers for SIGTERM and SIGUSR1 in that process (before it, the
-signals keep their usual effect). A handler only notes the signal; each read then agrees across ranks with one
-tiny all-reduce (the ranks may have received it at different steps, or only one of them did), so every rank sees
-True at the same step. Reading it is therefore a collective: every rank reads it, at the same place in the loop.
-Once True it stays True. A second signal ends the process the hard way (the signal's default action).
+signals keep their usual effect). A handler only notes the signal; the reads then agree across ranks with one tiny
+all-reduce each (the ranks may have received it at different steps, or only one of them did), so every rank sees
+True at the same step. The all-reduce a read starts runs during the next step and its result is taken at the next
+read: no read waits for the other ranks, and True comes one read after the signal was noted. Reading it is
+therefore a collective: every rank reads it, at the same place in the loop. Once True it stays True. A second
+signal ends the process the hard way (the signal's default action).
 
 After a preemption the launcher (``fabriclite run``) exits with ``PREEMPTED_EXIT_CODE``, "preempted, resumable",
 or, in a SLURM job that may be requeued, requeues it with ``scontrol requeue`` (``requeue``).
@@ -26,6 +28,7 @@ import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry". Run the same command again.
 PREEMPTED_EXIT_CODE = 75
@@ -33,13 +36,17 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 _received: int | None = None  # the first preemption signal this process got
 _installed = False
+_rank = 0  # this process's global rank, for the line said on a notice
 _agreed = False
+_in_flight: _Reduction | None = None  # the all-reduce the last read started
 
 
-def install() -> None:
-    """Note SIGTERM and SIGUSR1 instead of dying of them (a second one kills as usual). From the main thread only
-    (Python's rule for signal handlers); elsewhere it does nothing. Usage: ``install()`` once per process."""
-    global _installed
+def install(rank: int = 0) -> None:
+    """Note SIGTERM and SIGUSR1 instead of dying of them (a second one kills as usual); ``rank`` names this process
+    in the line said on a notice. From the main thread only (Python's rule for signal handlers); elsewhere it does
+    nothing. Usage: ``install(fabric.global_rank)`` once per process."""
+    global _installed, _rank
+    _rank = rank
     if _installed or threading.current_thread() is not threading.main_thread():
         return
     for signum in SIGNALS:
@@ -54,27 +61,66 @@ def _note(signum: int, frame: Any) -> None:
         os.kill(os.getpid(), signum)  # the second notice: end now, as the signal would have without us
         return
     _received = signum
-    rank = os.environ.get("RANK", "0")
     message = (
-        f"fabriclite: rank {rank} received {signal.Signals(signum).name}; fabric.preempted becomes True at the next "
+        f"fabriclite: rank {_rank} received {signal.Signals(signum).name}; fabric.preempted becomes True at the next "
         "step (a second signal ends the run at once).\n"
     )
     os.write(2, message.encode())  # not print(): the main thread may be inside a print right now
 
 
 def agreed(strategy: Any) -> bool:
-    """Whether any rank received a preemption signal, the same on every rank (one all-reduce of one number while
-    none has; nothing after every rank agreed on True). Usage: ``if agreed(fabric.strategy): ...``."""
-    global _agreed
+    """Whether any rank received a preemption signal, the same on every rank. With several ranks the answer comes
+    one read late, so that no read waits: each read takes the result of the all-reduce started at the previous
+    read (long finished: a training step ran since) and starts the next one. Every rank therefore sees True at the
+    same read, the one after a rank noted the signal. Nothing is exchanged once every rank agreed on True.
+    Usage: ``if agreed(fabric.strategy): ...``."""
+    global _agreed, _in_flight
     if _agreed:
         return True
-    install()
+    install(strategy.global_rank)
     noticed = _received is not None
-    if strategy.world_size > 1:
+    if strategy.world_size > 1 and dist.is_available() and dist.is_initialized():
+        previous, _in_flight = _in_flight, None
+        noticed = previous is not None and previous.result()
+        if not noticed:
+            _in_flight = _Reduction(_received is not None, strategy.root_device)
+    elif strategy.world_size > 1:  # no process group to start an asynchronous collective on: the strategy's own
         flag = torch.tensor([float(noticed)], device=strategy.root_device)
         noticed = bool(strategy.all_reduce(flag, reduce_op="max").item())
     _agreed = noticed
     return noticed
+
+
+class _Reduction:
+    """The maximum of every rank's flag, started now and read at the next ``agreed``."""
+
+    def __init__(self, noticed: bool, device: torch.device) -> None:
+        self.flag = torch.tensor([float(noticed)], device=device)
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+        self.copied = None
+        if self.flag.is_cuda:
+            # On a GPU, reading the flag at the next read would wait for the whole step queued since. Queue the copy
+            # to the host right behind the reduction instead, and mark that point: the next read waits for the mark.
+            self.work.wait()  # the current stream waits for the reduction, the host does not
+            self.flag = self.flag.to("cpu", non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def result(self) -> bool:
+        if self.copied is not None:
+            self.copied.synchronize()
+        else:
+            self.work.wait()
+        return bool(self.flag.item())
+
+
+def settle() -> None:
+    """Wait for the all-reduce the last read started (every rank started it, so it ends), before the process group
+    is destroyed; the next read starts afresh. Usage: ``settle()`` in a strategy's teardown."""
+    global _in_flight
+    reduction, _in_flight = _in_flight, None
+    if reduction is not None:
+        reduction.result()
 
 
 def requeue(say: Any = print) -> bool:

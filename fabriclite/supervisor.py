@@ -152,7 +152,7 @@ class Supervisor:
         stop_by = None
         while True:
             if len(self.signals) > handled:
-                if handled:  # a second signal: the hard way
+                if len(self.signals) > 1:  # a second signal (both may come before this loop looks): the hard way
                     name = signal.Signals(self.signals[-1]).name
                     say(f"{name} received again; killing every rank.")
                     self._stop()

@@ -207,7 +207,7 @@ def preemption_reset():
     yield preemption
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
-    preemption._received, preemption._installed, preemption._agreed = None, False, False
+    preemption._received, preemption._installed, preemption._agreed, preemption._in_flight = None, False, False, None
 
 
 def test_fabric_preempted_turns_true_after_sigusr1_and_stays_true(preemption_reset):

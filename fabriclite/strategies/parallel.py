@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from fabriclite import collectives
+from fabriclite import collectives, preemption
 from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
@@ -174,6 +174,7 @@ class ParallelStrategy(Strategy):
             self.watchdog = None
         if not dist.is_initialized():
             return
+        preemption.settle()  # fabric.preempted's last all-reduce, still referenced, must not outlive the group
         # Objects still holding the group (compiled graphs, device meshes, reference cycles) would keep its gloo
         # threads alive into interpreter finalization, where destroying them can abort the process. Release them
         # while the interpreter is still whole.
