@@ -9,9 +9,11 @@ Unless ``dynamic`` is given, the batch dimension of each compiled call's tensor 
 last partial batch or a new evaluation batch size runs the graph already compiled; switching between train and
 eval compiles once per mode.
 
-The report reads TorchDynamo's own counters (graphs compiled, graph breaks and their reasons) after the first
-forward call of a model set up with ``compile=...`` and when asked; it is a diagnosis, not a gate, so it never
-slows a step after the first few.
+The report counts what the compiler did for one model: each model is compiled through its own ``_CountingBackend``,
+the backend ``torch.compile`` would build from the same arguments, which counts the graphs Dynamo hands it and the
+graph breaks that split them (as ``torch._dynamo.explain`` does). TorchDynamo's own counters are the process's, so
+two compiled models would report each other's graphs. Counting costs nothing per step: the backend runs only when
+Dynamo compiles. It is a diagnosis, not a gate.
 """
 
 from __future__ import annotations
@@ -55,29 +57,99 @@ def compile_kwargs(value: Any, where: str = "compile") -> dict[str, Any] | None:
                 f"{where}={value!r} has keys torch.compile does not take: {unknown}. Valid keys: "
                 f"{', '.join(valid)}.{did_you_mean(unknown[0], valid)}"
             )
+        if value.get("mode") is not None and value.get("options") is not None:
+            raise ValueError(
+                f"{where}={value!r} gives both 'mode' and 'options'; torch.compile takes one of them. Put the mode's "
+                "settings into 'options' (torch._inductor.list_mode_options(mode) lists them), or drop 'options'."
+            )
         return dict(value)
     raise TypeError(f"{where}={value!r} is not valid: expected False, True or a dict of torch.compile arguments.")
 
 
 def compile_model(
     forward_module: torch.nn.Module, original: torch.nn.Module, strategy: Any, options: dict[str, Any]
-) -> tuple[torch.nn.Module, list[str]]:
+) -> tuple[torch.nn.Module, CompileWatch]:
     """Compile ``original``'s repeated blocks in place, or, without them or with ``regional=False``, the whole
     ``forward_module`` through the strategy (around DDP; per FSDP unit, then the root). Returns the module that
-    runs and the names of the compiled regions (empty: the whole model).
+    runs and the watch that counts what the compiler did for this model.
 
-    Usage: ``forward_module, regions = compile_model(ddp_model, model, strategy, {"mode": "max-autotune"})``.
+    Usage: ``forward_module, watch = compile_model(ddp_model, model, strategy, {"mode": "max-autotune"})``.
     """
     options = dict(options)
     regional = options.pop("regional", True)
+    backend = _CountingBackend(options)  # takes backend, mode and options out of ``options``
+    options["backend"] = backend
     blocks = _regions(original) if regional else []
     if not blocks:
-        return strategy.compile_module(forward_module, options), []
+        watch = CompileWatch(type(original).__name__, backend)
+        return strategy.compile_module(forward_module, options), watch
     mark_batch = options.get("dynamic") is None
     names = {id(module): name for name, module in original.named_modules()}
     for block in blocks:
         _compile_in_place(block, options, mark_batch)
-    return forward_module, [names[id(block)] for block in blocks]
+    return forward_module, CompileWatch(type(original).__name__, backend, [names[id(block)] for block in blocks])
+
+
+class _CountingBackend:
+    """The backend ``torch.compile`` builds from ``backend``, ``mode`` and ``options`` (see torch/__init__.py),
+    counting the graphs Dynamo hands it and the graph breaks that split them, as ``torch._dynamo.explain``'s
+    ``ExplainWithBackend`` does. One per compiled model: the counts are that model's alone.
+
+    Two counting backends around equal torch backends compare equal, so Dynamo lets a second model of the same
+    code and arguments run the graphs compiled for the first (as it does without counting); those count where
+    they were compiled.
+    """
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        backend = options.pop("backend", None)
+        if backend is None:
+            from torch._dynamo.backends.registry import get_default_backend
+
+            backend = get_default_backend()
+        mode, inductor_options = options.pop("mode", None), options.pop("options", None)
+        if inductor_options is not None:
+            inductor_options = dict(inductor_options)
+            # What torch.compile reads out of ``options`` itself, before building its backend.
+            if "guard_filter_fn" in inductor_options:
+                options["options"] = {"guard_filter_fn": inductor_options.pop("guard_filter_fn")}
+            use_aoti = inductor_options.pop("use_aoti", False)
+        else:
+            use_aoti = False
+            if mode is None:
+                mode = "default"
+        dynamic, name = options.get("dynamic"), options.get("name")
+        if backend == "inductor":
+            wrapper = torch._TorchCompileAOTInductorWrapper if use_aoti else torch._TorchCompileInductorWrapper
+            self.inner = wrapper(mode, inductor_options, dynamic, **({"name": name} if name else {}))
+        else:
+            self.inner = torch._TorchCompileWrapper(backend, mode, inductor_options, dynamic)
+        self.graphs = 0
+        self.break_reasons: list[str] = []
+        self._compile_ids: set[Any] = set()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
+        from torch._guards import CompileContext
+
+        # DDP's optimizer splits one Dynamo graph into buckets, each handed over on its own within one compile.
+        compile_id = CompileContext.current_compile_id()
+        if compile_id is None or compile_id not in self._compile_ids:
+            self._compile_ids.add(compile_id)
+            self.graphs += 1
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if reason is not None and reason.graph_break and not reason.reason.startswith("DDPOptimizer"):
+            self.break_reasons.append(reason.reason.splitlines()[0])
+        return self.inner(gm, example_inputs, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CountingBackend) and self.inner == other.inner
+
+    __hash__ = object.__hash__
+
+    def __getattr__(self, name: str) -> Any:
+        # What Dynamo asks of torch's backend (reset, get_compiler_config, compiler_name).
+        if name.startswith("__") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def _regions(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -104,27 +176,21 @@ def _compile_in_place(block: torch.nn.Module, options: dict[str, Any], mark_batc
     block._compiled_call_impl = call
 
 
-def _counters() -> tuple[int, int, dict[str, int]]:
-    from torch._dynamo.utils import counters
-
-    breaks = dict(counters["graph_break"])
-    return counters["stats"]["unique_graphs"], sum(breaks.values()), breaks
-
-
 class CompileWatch:
-    """Watches the first forward calls of one compiled model and remembers what the compiler did.
+    """What the compiler did for one compiled model, read from its counting backend, and a warning when it
+    recompiles on every one of the first steps.
 
     ``regions``: the names of the compiled blocks (empty: the whole model was compiled). Usage: made by
     ``fabric.setup(..., compile=True)``; read through ``fabric.compile_report()``.
     """
 
-    def __init__(self, name: str, regions: list[str] | None = None) -> None:
+    def __init__(self, name: str, backend: _CountingBackend, regions: list[str] | None = None) -> None:
         self.name = name
         self.regions = regions or []
         self.calls = 0
-        self._start = _counters()
-        self._after_first: tuple[int, int, dict[str, int]] | None = None
-        self._last_graphs = self._start[0]
+        self._backend = backend
+        self._graphs_after_first: int | None = None
+        self._last_graphs = 0
         self._growth_streak = 0
         self.recompiling_every_step = False
 
@@ -142,9 +208,9 @@ class CompileWatch:
 
     def _after_call(self) -> None:
         self.calls += 1
-        graphs = _counters()[0]
+        graphs = self._backend.graphs
         if self.calls == 1:
-            self._after_first = _counters()
+            self._graphs_after_first = graphs
         else:
             self._growth_streak = self._growth_streak + 1 if graphs > self._last_graphs else 0
             if self._growth_streak >= _RECOMPILES_BEFORE_WARNING and not self.recompiling_every_step:
@@ -158,22 +224,18 @@ class CompileWatch:
         self._last_graphs = graphs
 
     def report(self) -> dict[str, Any]:
-        """Graphs and graph breaks after the first step, recompiles since (train/eval switches, new shapes), the
-        compiled regions, and the break reasons (first lines). TorchDynamo's counters are the process's: with
-        several compiled models, recompiles after the first step add up across them."""
+        """This model's graphs after its first forward call, graph breaks so far (with the first line of each
+        distinct reason), recompiles since the first call (train/eval switches, new shapes), and the compiled
+        regions. Other compiled models in the process do not count here."""
         base = {"model": self.name, "compiled": "regional" if self.regions else "whole", "regions": self.regions}
-        if self._after_first is None:
+        if self._graphs_after_first is None:
             return {**base, "calls": 0, "graphs": 0, "graph_breaks": 0, "recompiles": 0, "break_reasons": []}
-        graphs, breaks, reasons = self._after_first
-        start_graphs, start_breaks, start_reasons = self._start
-        new_reasons = [
-            reason.splitlines()[0] for reason, count in reasons.items() if count > start_reasons.get(reason, 0)
-        ]
+        reasons = self._backend.break_reasons
         return {
             **base,
             "calls": self.calls,
-            "graphs": graphs - start_graphs,
-            "graph_breaks": breaks - start_breaks,
-            "recompiles": _counters()[0] - graphs,
-            "break_reasons": new_reasons,
+            "graphs": self._graphs_after_first,
+            "graph_breaks": len(reasons),
+            "recompiles": self._backend.graphs - self._graphs_after_first,
+            "break_reasons": list(dict.fromkeys(reasons)),
         }

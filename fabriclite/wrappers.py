@@ -19,7 +19,7 @@ import torch
 
 from fabriclite.callbacks import call_hook
 from fabriclite.checkpoint import background
-from fabriclite.compile import CompileWatch, compile_model
+from fabriclite.compile import compile_model
 from fabriclite.plugins.precision import Precision
 from fabriclite.rank_zero import PossibleUserWarning, rank_zero_warn
 from fabriclite.strategies.strategy import Strategy
@@ -79,8 +79,7 @@ def wrap_model(
     forward_module = strategy.setup_module(module)
     watch = None
     if compile_kwargs is not None and not user_compiled:
-        forward_module, regions = compile_model(forward_module, original, strategy, compile_kwargs)
-        watch = CompileWatch(type(original).__name__, regions)
+        forward_module, watch = compile_model(forward_module, original, strategy, compile_kwargs)
     guard = strategy.syncs_in_forward
     return _FabricModule(forward_module, precision, original, watch=watch, guard_methods=guard, device=device)
 

@@ -12,6 +12,13 @@ from helpers import run_python
 EAGER = {"backend": "aot_eager"}  # traces like inductor without compiling C++: fast enough for most tests
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_cache():
+    # A model runs graphs already compiled for the same code with equal arguments and counts none of them: each
+    # test starts from an empty cache so its counts do not depend on the tests before it.
+    torch._dynamo.reset()
+
+
 def net():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
@@ -39,6 +46,19 @@ class Tower(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class Chatty(nn.Module):
+    """Two layers with a graph break between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.a(x)
+        print("", end="")  # dynamo cannot trace print: a graph break
+        return self.b(x)
 
 
 def train(fabric, steps=4, compile=None, shapes=None, model=None):
@@ -137,22 +157,35 @@ def test_a_model_compiled_by_the_user_keeps_working_and_is_not_compiled_twice():
 
 
 def test_graph_breaks_are_counted_with_their_reason():
-    class Chatty(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-        def forward(self, x):
-            x = self.a(x)
-            print("", end="")  # dynamo cannot trace print: a graph break
-            return self.b(x)
-
     fabric = Fabric(accelerator="cpu", compile=EAGER)
     model = fabric.setup(Chatty())
-    model(torch.randn(2, 4))
+    model(torch.randn(2, 6))
     (report,) = fabric.compile_report()
     assert report["graph_breaks"] >= 1 and report["graphs"] >= 2
     assert any("print" in reason or "builtin" in reason for reason in report["break_reasons"])
+
+
+def test_each_model_reports_only_what_was_compiled_for_it():
+    fabric = Fabric(accelerator="cpu", compile=EAGER)
+    tower = fabric.setup(Tower())
+    chatty = fabric.setup(Chatty())
+    chatty(torch.randn(4, 6))  # compiled before the tower's first call: two graphs and a break, not the tower's
+    tower(torch.randn(4, 6)).sum().backward()
+    with torch.no_grad():
+        tower(torch.randn(4, 6))  # the tower's one recompile: no grad mode
+    chatty(torch.randn(4, 6))
+    tower_report, chatty_report = fabric.compile_report()
+    assert (tower_report["graphs"], tower_report["graph_breaks"], tower_report["recompiles"]) == (1, 0, 1)
+    assert (chatty_report["graphs"], chatty_report["graph_breaks"], chatty_report["recompiles"]) == (2, 1, 0)
+    assert tower_report["break_reasons"] == [] and len(chatty_report["break_reasons"]) == 1
+
+
+def test_a_second_model_of_the_same_code_runs_the_first_ones_graphs():
+    fabric = Fabric(accelerator="cpu", compile=EAGER)
+    first, second = fabric.setup(Tower()), fabric.setup(Tower())
+    first(torch.randn(4, 6))
+    second(torch.randn(4, 6))
+    assert [report["graphs"] for report in fabric.compile_report()] == [1, 0]  # counted where it was compiled
 
 
 def test_recompiling_every_step_warns_and_points_at_dynamic():
@@ -176,6 +209,7 @@ def test_fixed_shapes_do_not_warn():
         (7, TypeError, "compile=7"),
         ("yes", TypeError, "compile='yes'"),
         ({"regional": "no"}, TypeError, "'regional' must be True or False, got 'no'"),
+        ({"mode": "max-autotune", "options": {"trace.enabled": True}}, ValueError, "both 'mode' and 'options'"),
     ],
 )
 def test_bad_compile_arguments_are_refused(value, error, message):
