@@ -9,7 +9,9 @@ into a temporary folder (``keep_last=1``). Reported on rank 0:
 - the time a save holds the loop, per save: the ``fabric.save`` call (an asynchronous save: waiting for the previous
   write, one collective, copying what the loop may change before the next optimizer step), plus, for an
   asynchronous save, the time the next optimizer step waits for the background copy of the parameters and the
-  optimizer state (shown on its own too);
+  optimizer state (shown on its own too). Every variant meets in a barrier where a save would be, outside the
+  timing: the ranks drift apart during the steps and the first collective after that waits for the slower one;
+  without the barrier the save's collective would wait it, and the next gradient all-reduce that much less;
 - the loop's whole time over the loop without saves, per save: this also counts the steps slowed down while the
   background thread writes (on a 2-core machine it takes a core from the ranks);
 - and what reading ``fabric.preempted`` costs, read after each of ``--steps`` training steps (median per read).
@@ -125,8 +127,9 @@ class CopyWaits:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.check_copy = background.check_copy
-        background.check_copy = self  # the wrapped optimizer's step looks it up on the module at each call
+        self.check_copy = getattr(background, "check_copy", None)  # None: code from before it (nothing waits)
+        if self.check_copy is not None:
+            background.check_copy = self  # the wrapped optimizer's step looks it up on the module at each call
 
     def __call__(self, block: bool = True) -> None:
         before = time.perf_counter()
@@ -142,7 +145,10 @@ def run(fabric, model, optimizer, batch, name, args, folder: Path, waits: CopyWa
     waited = waits.seconds
     for step in range(1, args.steps + 1):
         train_step(fabric, model, optimizer, batch)
-        if name != "no saves" and step % args.every == 0 and step < args.steps:  # each write overlaps steps
+        if step % args.every == 0 and step < args.steps:  # each write overlaps steps
+            fabric.barrier()  # every variant: the ranks' drift apart is not counted as the save's
+            if name == "no saves":
+                continue
             before, before_waits = time.perf_counter(), waits.seconds
             state = {"model": model, "optimizer": optimizer, "step": step}
             fabric.save(folder / f"step-{step}.ckpt", state, keep_last=1, asynchronous=name == "async save")

@@ -28,22 +28,40 @@ def as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def map_with_path(data: Any, dtype: type | tuple[type, ...], function: Callable[[tuple, Any], Any]) -> Any:
+def map_with_path(
+    data: Any,
+    dtype: type | tuple[type, ...],
+    function: Callable[[tuple, Any], Any],
+    other: Callable[[tuple, Any], Any] | None = None,
+) -> Any:
     """Like ``apply_to_collection``, but ``function(path, element)`` also gets the tuple of keys and indices that
-    lead to the element. Usage: ``map_with_path({"a": [t]}, torch.Tensor, f)`` calls ``f(("a", 0), t)``."""
-    return _walk(data, dtype, function, ())
+    lead to the element; ``other(path, value)``, if given, replaces every other value that is not a container
+    (numbers, strings, ``None`` are kept as they are). Usage: ``map_with_path({"a": [t]}, torch.Tensor, f)`` calls
+    ``f(("a", 0), t)``."""
+    return _walk(data, dtype, function, (), other)
 
 
-def _walk(data: Any, dtype: type | tuple[type, ...], function: Callable[[tuple, Any], Any], path: tuple) -> Any:
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _walk(
+    data: Any,
+    dtype: type | tuple[type, ...],
+    function: Callable[[tuple, Any], Any],
+    path: tuple,
+    other: Callable[[tuple, Any], Any] | None = None,
+) -> Any:
     if isinstance(data, dtype):
         return function(path, data)
+    if type(data) in _ATOMS:  # most leaves: no slower checks (a random state holds 625 numbers)
+        return data
     if isinstance(data, Mapping):
-        return type(data)({k: _walk(v, dtype, function, (*path, k)) for k, v in data.items()})
+        return type(data)({k: _walk(v, dtype, function, (*path, k), other) for k, v in data.items()})
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(_walk(v, dtype, function, (*path, i)) for i, v in enumerate(data)))
+        return type(data)(*(_walk(v, dtype, function, (*path, i), other) for i, v in enumerate(data)))
     if isinstance(data, (list, tuple)):
-        return type(data)(_walk(v, dtype, function, (*path, i)) for i, v in enumerate(data))
-    return data
+        return type(data)(_walk(v, dtype, function, (*path, i), other) for i, v in enumerate(data))
+    return data if other is None else other(path, data)
 
 
 def move_to_device(data: Any, device: torch.device) -> Any:

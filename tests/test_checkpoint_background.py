@@ -168,7 +168,7 @@ def test_an_evaluation_after_an_asynchronous_save_lets_its_write_begin_without_a
 
 
 def test_a_value_that_cannot_be_copied_is_refused_at_the_call_naming_its_key(fabric, tmp_path):
-    with pytest.raises(TypeError, match=r"state\['handle'\] cannot be copied"):
+    with pytest.raises(TypeError, match=r"state\['handle'\] \(lock\) cannot be copied"):
         fabric.save(tmp_path / "step-1.ckpt", {"step": 1, "handle": threading.Lock()}, asynchronous=True)
     fabric.save(tmp_path / "step-2.ckpt", {"step": 2}, asynchronous=True)  # nothing left behind
     assert fabric.load_latest(tmp_path, {"step": 0}) == tmp_path / "step-2.ckpt"

@@ -1,6 +1,11 @@
-"""Asynchronous checkpoints (``fabric.save(..., asynchronous=True)``): the state is copied to CPU memory while
-training waits (a copy, not a write), then rank 0 writes that copy to disk in a background thread while training
-goes on.
+"""Asynchronous checkpoints (``fabric.save(..., asynchronous=True)``): the checkpoint is the state at the call, bit
+for bit, while training goes on. At the call (``_snapshot``) everything is copied that the loop may change before
+the optimizer's next step: every value that is not a tensor (a deep copy), buffers (forward changes them), the
+user's own tensors. The parameters and the optimizer state, nearly all the bytes, are copied to CPU memory by rank
+0's writer thread, which then writes that copy. What could change them waits for that copy in ``check_copy``: the
+wrapped optimizer's step and ``load_state_dict``, loading, the next save; it also compares each copied tensor's
+version counter with the one at the call, and a tensor changed in place meanwhile (not by the step) makes that save
+fail ("changed") instead of writing a copy that may hold half the change. The write begins after that check.
 
 One save at a time: the next save, and ``load_latest``, first wait for the previous write to finish, and if it
 failed, every rank raises its ``CheckpointError`` there. A save makes one collective (``settle``): rank 0's outcome
@@ -222,8 +227,9 @@ class _Copy:
         self.changed: list[str] = []
         self.forwards: list[tuple[Any, Callable, Callable]] = []  # see _check_at_forward
         # A GPU copy starts after the work queued before the save call: it waits for this event on its own stream.
-        cuda = [source for source, _ in pairs if source.is_cuda]
-        self.ready = torch.cuda.current_stream(cuda[0].device).record_event() if cuda else None
+        cuda = [source.device for source, _ in pairs if source.is_cuda]
+        self.device = cuda[0] if cuda else None
+        self.ready = torch.cuda.current_stream(self.device).record_event() if cuda else None
 
     def run(self) -> None:
         try:
@@ -231,7 +237,7 @@ class _Copy:
                 for source, buffer in self.pairs:
                     buffer.copy_(source)  # large tensors copy on torch's intra-op threads
                 return
-            stream = torch.cuda.Stream(self.ready.device)
+            stream = torch.cuda.Stream(self.device)
             stream.wait_event(self.ready)
             with torch.cuda.stream(stream):
                 for source, buffer in self.pairs:
@@ -245,28 +251,15 @@ _copying: _Copy | None = None  # rank 0's copy under way, until the loop's threa
 
 
 def _snapshot(checkpoint: dict[str, Any], path: str, keep: bool, stepped: frozenset[int]) -> tuple[Any, _Copy]:
-    # Everything but tensors is copied now: containers, numbers, arrays, user objects (a deep copy that keeps each
-    # tensor as it is). Tensors go three ways: a sharded one is gathered now (a collective, so on every rank, in the
-    # same order) into a new tensor nobody else holds, copied later; one that only a wrapped optimizer's step changes
-    # (`stepped`) is copied later on the writer's thread, and watched; any other (buffers, which forward changes; the
-    # user's own tensors) is copied now, as are all tensors a deep copy finds inside other objects.
-    tensors: list[torch.Tensor] = []
-    map_with_path(checkpoint, torch.Tensor, lambda _, tensor: tensors.append(tensor))
-    memo: dict[int, Any] = {id(tensor): tensor for tensor in tensors}
-    copied: dict[str, Any] = {}
-    for key, value in checkpoint.items():
-        try:
-            copied[key] = copy.deepcopy(value, memo)
-        except Exception as error:
-            raise TypeError(
-                f"fabric.save(..., asynchronous=True) copies the state as it is at the call, and state[{key!r}] "
-                f"cannot be copied ({type(error).__name__}: {first_line(error)}). Make it copyable (copy.deepcopy), "
-                "or save with asynchronous=False."
-            ) from error
+    # Everything but tensors is copied now: containers, and each other value that is not a number or a string (a
+    # deep copy: arrays, sets, user objects, with any tensor inside them). Tensors go three ways: a sharded one is
+    # gathered now (a collective, so on every rank, in the same order) into a new tensor nobody else holds, copied
+    # later; one that only a wrapped optimizer's step changes (`stepped`) is copied later on the writer's thread,
+    # and watched; any other (buffers, which forward changes; the user's own tensors) is copied now.
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     watched: list[tuple[str, torch.Tensor, int]] = []
 
-    def take(key: tuple, tensor: torch.Tensor) -> torch.Tensor | None:
+    def tensor_copy(key: tuple, tensor: torch.Tensor) -> torch.Tensor | None:
         gathered = type(tensor).__name__ == "DTensor"
         if gathered:
             tensor = tensor.full_tensor()  # a collective
@@ -277,12 +270,26 @@ def _snapshot(checkpoint: dict[str, Any], path: str, keep: bool, stepped: frozen
             pairs.append((tensor, buffer))
         elif _storage(tensor) in stepped:
             pairs.append((tensor.detach(), buffer))
-            watched.append(("state" + "".join(f"[{part!r}]" for part in key), tensor, tensor._version))
+            watched.append((_name(key), tensor, tensor._version))
         else:
             buffer.copy_(tensor.detach())
         return buffer
 
-    return map_with_path(copied, torch.Tensor, take), _Copy(pairs, watched)
+    def value_copy(key: tuple, value: Any) -> Any:
+        try:
+            return copy.deepcopy(value)
+        except Exception as error:
+            raise TypeError(
+                f"fabric.save(..., asynchronous=True) copies the state as it is at the call, and {_name(key)} "
+                f"({type(value).__name__}) cannot be copied ({first_line(error)}). Make it "
+                "copyable (copy.deepcopy), or save with asynchronous=False."
+            ) from error
+
+    return map_with_path(checkpoint, torch.Tensor, tensor_copy, value_copy), _Copy(pairs, watched)
+
+
+def _name(key: tuple) -> str:
+    return "state" + "".join(f"[{part!r}]" for part in key)
 
 
 def _stepped_storages(state: Any) -> frozenset[int]:
