@@ -1,11 +1,11 @@
-"""The ``fabriclite`` command line: ``fabriclite run`` starts a script on several processes or nodes through
-torchrun (``torch.distributed.run``), ``fabriclite consolidate`` merges a sharded checkpoint into one file, and
-``fabriclite plot`` draws the metrics of CSVLogger runs side by side.
+"""The ``fabriclite`` command line: ``fabriclite run`` starts a script on several processes or nodes,
+``fabriclite consolidate`` merges a sharded checkpoint into one file, and ``fabriclite plot`` draws the metrics of
+CSVLogger runs side by side.
 
 ``run`` checks every setting and exports the ones the script's ``Fabric()`` reads (see ``choices.apply_cli_settings``).
-On one machine it starts and watches the processes itself (``supervisor``: restarts with ``--max-restarts``,
-preemption notices); across machines it turns the settings into torchrun's arguments and calls torchrun in this
-process. Either way signals reach it directly and a failed rank gives a non-zero exit code.
+It starts and watches this machine's processes itself (``supervisor``: restarts with ``--max-restarts``,
+preemption notices); across machines, one ``fabriclite run`` per node, kept in step through node 0's (``nodes``).
+Signals reach it directly and a failed rank gives a non-zero exit code.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ RUN_SETTINGS: dict[str, str] = {
     "node_rank": "This machine's rank, 0 .. num_nodes-1 (default: 0).",
     "main_address": "Address of the node with rank 0, which every node can reach. Required with --num-nodes > 1; "
     "a single node uses a local rendezvous on a free port when neither this nor --main-port is given.",
-    "main_port": "Port on the main node (default with several nodes: 29500, torchrun's default).",
+    "main_port": "Port on the main node (default with several nodes: 29500, torchrun's default). With several "
+    "nodes, node 0's `fabriclite run` listens on it; the processes meet on a fresh port for every (re)start.",
     "precision": "Precision for the script's Fabric(), e.g. 32-true, bf16-mixed, 16-mixed, bf16-true "
     "(default: Fabric's own, 32-true).",
     "max_restarts": "How often every process is started again after one died, before giving up (default: 0). The "
@@ -47,9 +48,10 @@ value spelled differently is accepted, and a different value raises an error nam
 
 Options go before the script; everything after the script is passed to it unchanged.
 
-On one machine `fabriclite run` starts and watches the processes itself; across machines torchrun
-(torch.distributed.run) does. When one fails, the others are stopped and, with --max-restarts N, all start again
-(up to N times); then `fabriclite run` exits with the failed process's exit code (128 + N when it died of signal N).
+`fabriclite run` starts and watches the processes of its machine itself; across machines, the `fabriclite run` of
+every node keeps in step with node 0's. When one process fails, every process on every node is stopped and, with
+--max-restarts N, all start again (up to N times); then every `fabriclite run` exits with the failed process's exit
+code (128 + N when it died of signal N). A node whose `fabriclite run` stops answering for 60 s ends the run.
 SIGTERM or SIGUSR1 (a preemption notice) reaches every process and sets fabric.preempted; once they saved and
 exited, `fabriclite run` exits with 75 ("preempted, resumable"), or requeues the SLURM job where allowed.
 
@@ -71,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
-        help="Start a script on every device of one or several machines, through torchrun.",
+        help="Start a script on every device of one or several machines.",
         description="Start SCRIPT once per device on this machine (and join the other machines of a multi-node "
-        "run), through torchrun.",
+        "run), watch the processes, and restart them all when one dies (--max-restarts).",
         epilog=_RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -197,32 +199,6 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
-def torchrun_args(settings: dict[str, Any], processes: int, script: str, script_args: list[str]) -> list[str]:
-    """torchrun's command line for these settings (without the program name).
-
-    Usage: ``torchrun_args({}, 2, "train.py", []) == ["--nproc-per-node=2", "--nnodes=1", "--max-restarts=0",
-    "--standalone", "train.py"]``.
-    """
-    num_nodes = settings.get("num_nodes", 1)
-    args = [
-        f"--nproc-per-node={processes}",
-        f"--nnodes={num_nodes}",
-        f"--max-restarts={settings.get('max_restarts', 0)}",
-    ]
-    if num_nodes == 1 and "main_address" not in settings and "main_port" not in settings:
-        args.append("--standalone")  # a rendezvous on localhost, on a port the OS picks: no race for a free port
-    else:
-        from fabriclite.plugins.environments import free_port
-
-        port = settings.get("main_port") or (_DEFAULT_MULTI_NODE_PORT if num_nodes > 1 else free_port())
-        args += [
-            f"--node-rank={settings.get('node_rank', 0)}",
-            f"--master-addr={settings.get('main_address', '127.0.0.1')}",
-            f"--master-port={port}",
-        ]
-    return [*args, script, *script_args]
-
-
 def fabric_environment(settings: dict[str, Any]) -> dict[str, str]:
     """The ``FABRICLITE_CLI_*`` variables that carry the settings to the script's ``Fabric()``.
 
@@ -237,22 +213,6 @@ def fabric_environment(settings: dict[str, Any]) -> dict[str, str]:
             value = ",".join(str(index) for index in value) + ("," if len(value) == 1 else "")
         env[env_name(key)] = str(value)
     return env
-
-
-def _launch(args: list[str]) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
-    try:
-        torchrun_main(args)
-    except ChildFailedError as error:
-        print(error.format_msg(), file=sys.stderr)
-        code = error.get_first_failure()[1].exitcode
-        return code if code > 0 else 128 - code if code < 0 else 1
-    except SignalException as error:  # torchrun stopped the processes; exit as a process killed by it would
-        return 128 + int(error.sigval)
-    return 0
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -283,15 +243,20 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
         del os.environ[name]  # a run inside a run must not inherit the outer run's settings
     os.environ.update(fabric_environment(settings))
-    if settings.get("num_nodes", 1) == 1:
-        from fabriclite.supervisor import Supervisor
+    from fabriclite.nodes import NodeGroup
+    from fabriclite.supervisor import Supervisor
 
-        command = [sys.executable, args.script, *args.script_args]
-        restarts, port = settings.get("max_restarts", 0), settings.get("main_port")
-        return Supervisor(
-            command, processes, restarts, port=port, address=settings.get("main_address", "127.0.0.1")
-        ).run()
-    return _launch(torchrun_args(settings, processes, args.script, args.script_args))
+    command = [sys.executable, args.script, *args.script_args]
+    address, port = settings.get("main_address", "127.0.0.1"), settings.get("main_port")
+    nodes = None
+    if settings.get("num_nodes", 1) > 1:  # one supervisor per node; node 0's hosts their store on the main port
+        nodes = NodeGroup(
+            settings["num_nodes"], settings.get("node_rank", 0), address, port or _DEFAULT_MULTI_NODE_PORT, processes
+        )
+        port = None
+    return Supervisor(
+        command, processes, settings.get("max_restarts", 0), port=port, address=address, nodes=nodes
+    ).run()
 
 
 def _consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -1,5 +1,7 @@
 """Starting every rank of a run on one machine, watching them, and starting them all again when one dies: what
-``fabriclite run`` does on a single node (instead of torchrun, whose restarted gloo group could not connect).
+``fabriclite run`` does (instead of torchrun, whose restarted gloo group could not connect). Across machines, each
+node runs one ``Supervisor``, kept in step with the others through node 0's store (``nodes``): a failure on any
+node restarts the ranks of every node together.
 
 - Each rank runs in its own session, so stopping it stops what it started too (DataLoader workers), and dies
   within moments when this process dies, however it dies (``PR_SET_PDEATHSIG`` on Linux).
@@ -24,6 +26,7 @@ import sys
 import time
 from typing import Any
 
+from fabriclite.nodes import NodeGroup, NodeGroupError, pick_failure
 from fabriclite.plugins.environments import free_port
 from fabriclite.preemption import PREEMPTED_EXIT_CODE, SIGNALS, requeue
 
@@ -88,7 +91,9 @@ def say(message: str) -> None:
 class Supervisor:
     """Runs ``command`` as ranks 0..processes-1 of one group (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ... in
     their environment, on top of ``env``) and restarts the group up to ``max_restarts`` times. ``port`` fixes the
-    main port (else each attempt takes a free one), ``address`` the main address (default: loopback)."""
+    main port (else each attempt takes a free one), ``address`` the main address (default: loopback). With
+    ``nodes`` (a ``NodeGroup``), this machine runs its share of the ranks of a run on several, in step with the
+    supervisors of the other nodes: the rendezvous port comes from node 0's, and a failure anywhere restarts all."""
 
     def __init__(
         self,
@@ -99,6 +104,7 @@ class Supervisor:
         deadline: float = DEFAULT_DEADLINE_S,
         port: int | None = None,
         address: str = "127.0.0.1",
+        nodes: NodeGroup | None = None,
     ) -> None:
         if processes < 1 or max_restarts < 0:
             raise ValueError(f"processes={processes} must be 1 or more and max_restarts={max_restarts} 0 or more.")
@@ -109,99 +115,137 @@ class Supervisor:
         self.deadline = deadline
         self.port = port  # None: a free one for every attempt
         self.address = address
+        self.nodes = nodes
+        self.node_rank = nodes.node_rank if nodes else 0
+        self.num_nodes = nodes.num_nodes if nodes else 1
         self.ranks: list[subprocess.Popen] = []
         self.signals: list[int] = []  # received, in order
+        self.notice = 0  # the preemption notice this run got, here or on another node
 
     def run(self) -> int:
         """Start the ranks and return the run's exit code: 0, the failed rank's (128 + N for signal N) once the
         restarts are used up, or ``PREEMPTED_EXIT_CODE`` after a preemption notice."""
         previous = {signum: signal.signal(signum, self._on_signal) for signum in _FORWARDED}
+        code, alone = 1, None  # alone: why this node ended the run without the others, if it did
         try:
+            if self.nodes:
+                self.nodes.join()
             for attempt in range(self.max_restarts + 1):
                 if self.signals:  # a notice came while the group was being restarted: do not start it again
-                    return 128 + self.signals[0]
+                    code, alone = 128 + self.signals[0], f"received {signal.Signals(self.signals[0]).name}"
+                    return code
                 self._start(attempt)
-                code = self._watch(attempt)
+                code, alone = self._watch(attempt)
                 if code is not None:
                     return code
             raise AssertionError("unreachable: the last attempt always returns")
+        except NodeGroupError as error:
+            say(f"{error}; stopping every rank of node {self.node_rank}.")
+            code, alone = error.code, str(error)
+            return code
         finally:
             self._stop()
+            if self.nodes:
+                self.nodes.leave(code, alone)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
     def _start(self, attempt: int) -> None:
-        port = self.port or free_port()  # a fresh store each time: nothing of the dead group is reused
+        # A fresh rendezvous each time (a free port, or node 0's pick): nothing of the dead group is reused.
+        port = self.nodes.rendezvous_port(attempt) if self.nodes else self.port or free_port()
+        first = self.node_rank * self.processes
         self.ranks = []
-        for rank in range(self.processes):
+        for local in range(self.processes):
             env = {
                 **self.env,
-                **_rank_env(rank, rank, self.processes, 0, self.address, port),
+                **_rank_env(first + local, local, self.processes * self.num_nodes, self.node_rank, self.address, port),
                 LAUNCHER_ENV: "fabriclite run",
                 "LOCAL_WORLD_SIZE": str(self.processes),  # as torchrun sets them, for scripts that read them
-                "GROUP_RANK": "0",
+                "GROUP_RANK": str(self.node_rank),
                 RESTART_ENV: str(attempt),
             }
             self.ranks.append(
                 subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
             )
 
-    def _watch(self, attempt: int) -> int | None:
-        """Wait until the group ends: its exit code, or None to start it again."""
+    def _watch(self, attempt: int) -> tuple[int | None, str | None]:
+        """Wait until the group ends: its exit code (None to start it again), and why this node ended the run on
+        its own (None when the nodes agreed on it)."""
         handled = 0
         stop_by = None
         while True:
+            # Before the signals: a rank that a second signal killed is then always seen after that signal.
+            codes = [rank.poll() for rank in self.ranks]
             if len(self.signals) > handled:
                 if len(self.signals) > 1:  # a second signal (both may come before this loop looks): the hard way
                     name = signal.Signals(self.signals[-1]).name
                     say(f"{name} received again; killing every rank.")
                     self._stop()
-                    return 128 + self.signals[-1]
+                    return 128 + self.signals[-1], f"received {name} twice"
                 handled = 1
+                self.notice = self.signals[0]
+                if self.nodes and self.signals[0] != signal.SIGINT:
+                    self.nodes.publish_preemption(self.signals[0])
+            if self.nodes:
+                self.nodes.check()
+                self.notice = self.notice or self.nodes.preempted()
+            if self.notice and stop_by is None:
                 stop_by = time.monotonic() + self.deadline
-            codes = [rank.poll() for rank in self.ranks]
-            if all(code == 0 for code in codes):
-                return self._after_notice() if self.signals else 0
-            if self.signals and all(code is not None for code in codes):
-                return (
-                    self._after_notice() if all(code in (0, PREEMPTED_EXIT_CODE) for code in codes) else _first(codes)
-                )
-            if not self.signals and any(code not in (None, 0) for code in codes):
-                failed, codes = self._first_to_die()
-                how = how_it_ended(codes[failed])
-                if attempt < self.max_restarts:
-                    say(
-                        f"rank {failed} {how}; stopping every rank and starting them again "
-                        f"(restart {attempt + 1} of {self.max_restarts})."
-                    )
-                    self._stop()
-                    return None
-                left = f" (no restarts left of --max-restarts {self.max_restarts})" if self.max_restarts else ""
-                say(f"rank {failed} {how}; stopping every rank{left}.")
+            ended_well = all(code == 0 or (self.notice and code == PREEMPTED_EXIT_CODE) for code in codes)
+            if ended_well and (not self.nodes or self.nodes.finish(attempt)):
+                return (self._after_notice() if self.notice else 0), None
+            if self.notice and all(code is not None for code in codes) and not ended_well:
                 self._stop()
-                return _exit_code(codes[failed])
+                return _first(codes), "a rank failed after the preemption notice"
+            failed = not self.notice and any(code not in (None, 0) for code in codes)
+            if failed or (not self.notice and self.nodes and self.nodes.stop_requested(attempt)):
+                return self._after_failure(attempt, failed), None
             if stop_by is not None and time.monotonic() > stop_by:
                 say(f"the ranks did not exit within {self.deadline:g} s of the preemption notice; killing them.")
                 self._stop()
-                return 128 + self.signals[0]
+                return 128 + self.notice, "its ranks missed the preemption deadline"
             time.sleep(0.1)
 
-    def _first_to_die(self) -> tuple[int, list[int | None]]:
+    def _after_failure(self, attempt: int, here: bool) -> int | None:
+        """Stop every rank (on every node) after a rank died (``here``: on this node): the failed rank's exit code,
+        or None to start the group again."""
+        codes = self._codes_after_a_failure() if here else [rank.poll() for rank in self.ranks]
+        first = self.node_rank * self.processes
+        failures = [(first + local, code) for local, code in enumerate(codes) if code not in (None, 0)]
+        failures.sort(key=lambda failure: (failure[1] >= 0, failure[0]))  # the one a signal killed first
+        self._stop()
+        if self.nodes:
+            node, rank, code = self.nodes.stop(attempt, failures)
+            who = f"rank {rank} on node {node}"
+        else:
+            rank, code = pick_failure(failures)
+            who = f"rank {rank}"
+        how = how_it_ended(code)
+        if attempt < self.max_restarts:
+            say(
+                f"{who} {how}; stopping every rank and starting them again "
+                f"(restart {attempt + 1} of {self.max_restarts})."
+            )
+            return None
+        left = f" (no restarts left of --max-restarts {self.max_restarts})" if self.max_restarts else ""
+        say(f"{who} {how}; stopping every rank{left}.")
+        return _exit_code(code)
+
+    def _codes_after_a_failure(self) -> list[int | None]:
         # When one rank dies, the others' collectives fail a moment later, and they exit with errors of their own.
-        # Wait that moment, then name the rank killed by a signal (the OOM killer, a SIGKILL) or else the lowest.
+        # Wait that moment, so that a rank killed by a signal (the OOM killer, a SIGKILL) is seen and named first.
         deadline = time.monotonic() + SIBLING_EXIT_GRACE_S
         codes = [rank.poll() for rank in self.ranks]
         while not any(code is not None and code < 0 for code in codes) and time.monotonic() < deadline:
             time.sleep(0.02)
             codes = [rank.poll() for rank in self.ranks]
-        failed = [index for index, code in enumerate(codes) if code not in (None, 0)]
-        killed = [index for index in failed if codes[index] < 0]
-        return (killed or failed)[0], codes
+        return codes
 
     def _after_notice(self) -> int:
-        if self.signals[0] == signal.SIGINT:
+        if self.notice == signal.SIGINT:
             return 128 + signal.SIGINT
-        if not requeue(say=lambda message: print(message, file=sys.stderr, flush=True)):
+        # One requeue for the whole job: node 0's.
+        if self.node_rank != 0 or not requeue(say=lambda message: print(message, file=sys.stderr, flush=True)):
             say(f"preempted; every rank exited after saving. Exit code {PREEMPTED_EXIT_CODE}: run it again to resume.")
         return PREEMPTED_EXIT_CODE
 

@@ -17,7 +17,7 @@ import pytest
 
 from fabriclite import Fabric
 from fabriclite.choices import apply_cli_settings
-from fabriclite.cli import build_parser, fabric_environment, main, resolve_settings, torchrun_args
+from fabriclite.cli import build_parser, fabric_environment, main, resolve_settings
 from fabriclite.plugins.environments import free_port
 from helpers import SCRIPTS, run_python
 
@@ -170,28 +170,6 @@ def test_more_cpu_processes_than_cores_get_a_hint_from_run_and_from_launch(tmp_p
         hint = "starting 2 processes on a CPU with 1 core(s): each gets less than one core"
         assert result.stderr.count(hint) == 1, (command, result.stderr)  # from local rank 0 only
         assert result.stdout.count("TRAINED") == 2, (command, result.stdout)  # a hint, not a refusal
-
-
-def test_a_single_node_uses_a_local_rendezvous_and_several_nodes_the_main_address():
-    assert torchrun_args({}, 2, "t.py", ["a"]) == [
-        "--nproc-per-node=2",
-        "--nnodes=1",
-        "--max-restarts=0",
-        "--standalone",
-        "t.py",
-        "a",
-    ]
-    settings = {"num_nodes": 2, "node_rank": 1, "main_address": "10.0.0.1", "max_restarts": 3}
-    assert torchrun_args(settings, 8, "t.py", []) == [
-        "--nproc-per-node=8",
-        "--nnodes=2",
-        "--max-restarts=3",
-        "--node-rank=1",
-        "--master-addr=10.0.0.1",
-        "--master-port=29500",
-        "t.py",
-    ]
-    assert "--master-port=1234" in torchrun_args({"main_port": 1234}, 1, "t.py", [])
 
 
 def test_device_lists_travel_as_text_that_parses_back():

@@ -232,10 +232,10 @@ def detect_environment(given: ClusterEnvironment | None = None) -> ProcessEnviro
     return None
 
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now, on ``host`` (default: loopback; ``""``: every interface)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -1,0 +1,75 @@
+"""Supervisors of one run on several machines kept in step (fabriclite/nodes.py), run for real as two
+`fabriclite run` on loopback with a script that needs no training: a node whose ranks finished still restarts them
+when another node's rank dies, and nodes started with different settings are refused. The training runs (restarts
+ending bit-identical, a lost node, preemption) are in test_long_runs.py."""
+
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+from helpers import run_python
+
+from fabriclite.nodes import pick_failure
+from fabriclite.plugins.environments import free_port
+
+TIMEOUT = 300
+
+# Rank 0 ends at once; rank 1 ends a few seconds later, with code 3 in the first attempt.
+SCRIPT = textwrap.dedent("""\
+    import os, sys, time
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["FABRICLITE_RESTART_COUNT"])
+    print(f"rank {rank} of {os.environ['WORLD_SIZE']} attempt {attempt} port {os.environ['MASTER_PORT']}", flush=True)
+    if rank == 1:
+        time.sleep(3)
+        sys.exit(3 if attempt == 0 else 0)
+""")
+
+
+def run_two_nodes(tmp_path, devices=(1, 1), restarts=0):
+    """Both nodes' results (exit code, output), each node a `fabriclite run` of SCRIPT."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    port = str(free_port())
+
+    def node(rank):
+        result = run_python(
+            "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", str(devices[rank]), "--num-nodes",
+            "2", "--node-rank", str(rank), "--main-address", "127.0.0.1", "--main-port", port, "--max-restarts",
+            str(restarts), str(script), check=False, timeout=TIMEOUT,
+        )  # fmt: skip
+        return result.returncode, result.stdout + result.stderr
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(node, [0, 1]))
+
+
+def test_a_node_whose_ranks_finished_starts_them_again_when_another_nodes_rank_dies(tmp_path):
+    (code0, out0), (code1, out1) = run_two_nodes(tmp_path, restarts=1)
+    assert (code0, code1) == (0, 0), out0 + out1
+    line = (
+        "fabriclite: rank 1 on node 1 exited with code 3; stopping every rank and starting them again (restart 1 of 1)."
+    )
+    assert line in out0 and line in out1, out0 + out1
+    assert "rank 0 of 2 attempt 0" in out0 and "rank 0 of 2 attempt 1" in out0, out0
+    ports = [line.split()[-1] for line in out0.splitlines() if line.startswith("rank 0 of 2")]
+    assert len(ports) == 2 and ports[0] != ports[1], out0  # every attempt meets on a fresh port
+
+
+def test_without_restarts_every_node_exits_with_the_failed_ranks_code(tmp_path):
+    (code0, out0), (code1, out1) = run_two_nodes(tmp_path)
+    assert (code0, code1) == (3, 3), out0 + out1
+    assert all("fabriclite: rank 1 on node 1 exited with code 3; stopping every rank." in out for out in (out0, out1))
+
+
+def test_nodes_that_start_different_numbers_of_processes_are_refused_naming_them(tmp_path):
+    (code0, out0), (code1, out1) = run_two_nodes(tmp_path, devices=(1, 2))
+    assert (code0, code1) == (1, 1), out0 + out1
+    message = (
+        "the nodes start different numbers of processes (node 0: 1, node 1: 2); give every node the same --devices"
+    )
+    assert message in out0 and message in out1
+    assert "attempt" not in out0 + out1  # no rank was started
+
+
+def test_the_failure_named_is_the_first_a_signal_killed_else_the_first_reported():
+    assert pick_failure([(0, 1), (1, -9), (2, -15)]) == (1, -9)
+    assert pick_failure([(3, 1), (0, 2)]) == (3, 1)
