@@ -33,6 +33,7 @@ RESTART_ENV = "FABRICLITE_RESTART_COUNT"
 MAX_RESTARTS_ENV = "FABRICLITE_MAX_RESTARTS"  # for fabric.launch(), which has no command line
 DEFAULT_DEADLINE_S = 300.0  # after a preemption notice, how long the ranks may take to save and exit
 _FORWARDED = (signal.SIGINT, *SIGNALS)
+_ENDED = (0, PREEMPTED_EXIT_CODE)  # how a rank ends well: a rank that saved after a preemption notice exits 75
 
 
 def _die_with_parent() -> None:
@@ -160,13 +161,12 @@ class Supervisor:
                 handled = 1
                 stop_by = time.monotonic() + self.deadline
             codes = [rank.poll() for rank in self.ranks]
-            if all(code == 0 for code in codes):
-                return self._after_notice() if self.signals else 0
+            # A rank that saved after a notice exits 0 or 75; 75 also when the notice reached the ranks, not this.
+            if all(code in _ENDED for code in codes):
+                return self._after_notice() if self.signals or PREEMPTED_EXIT_CODE in codes else 0
             if self.signals and all(code is not None for code in codes):
-                return (
-                    self._after_notice() if all(code in (0, PREEMPTED_EXIT_CODE) for code in codes) else _first(codes)
-                )
-            if not self.signals and any(code not in (None, 0) for code in codes):
+                return _first(codes)
+            if not self.signals and any(code not in (None, *_ENDED) for code in codes):
                 failed, codes = self._first_to_die()
                 how = how_it_ended(codes[failed])
                 if attempt < self.max_restarts:
@@ -199,7 +199,7 @@ class Supervisor:
         return (killed or failed)[0], codes
 
     def _after_notice(self) -> int:
-        if self.signals[0] == signal.SIGINT:
+        if self.signals and self.signals[0] == signal.SIGINT:
             return 128 + signal.SIGINT
         if not requeue(say=lambda message: print(message, file=sys.stderr, flush=True)):
             say(f"preempted; every rank exited after saving. Exit code {PREEMPTED_EXIT_CODE}: run it again to resume.")
@@ -229,4 +229,4 @@ class Supervisor:
 
 
 def _first(codes: list[int | None]) -> int:
-    return next((_exit_code(code) for code in codes if code not in (None, 0)), 0)
+    return next((_exit_code(code) for code in codes if code not in (None, *_ENDED)), 0)
