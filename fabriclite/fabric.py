@@ -136,7 +136,7 @@ class Fabric(LegacyAPI):
     @property
     def preempted(self) -> bool:
         """Whether SIGTERM or SIGUSR1 reached any rank (a collective: read it on every rank, once per step; see
-        ``fabriclite.preemption``). Usage: ``if fabric.preempted: fabric.save(path, state); break``."""
+        ``fabriclite.preemption``). Usage: ``if fabric.preempted: fabric.save(path, state); sys.exit(75)``."""
         return preemption.agreed(self._strategy)
 
     loggers = property(lambda self: self._loggers, doc="The loggers passed to ``Fabric(loggers=...)`` (a list).")

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from fabriclite.plugins.environments import free_port
 from fabriclite.supervisor import (  # what every way of starting processes shares
+    _ENDED,
     LAUNCHER_ENV,
     SIBLING_EXIT_GRACE_S,
     Supervisor,
@@ -243,13 +244,13 @@ class SubprocessLauncher:
         while True:
             for child in self.children:
                 code = child.poll()
-                if code not in (None, 0):
+                if code not in (None, *_ENDED):
                     if self._killing:
                         return  # this process is already stopping them (after its own error)
                     self._report(child, code, "stopping the other processes")
                     self.kill_children()
                     os._exit(_exit_code(code))
-            if all(child.poll() == 0 for child in self.children):
+            if all(child.poll() in _ENDED for child in self.children):
                 return
             time.sleep(0.2)
 
@@ -259,7 +260,7 @@ class SubprocessLauncher:
         # say) instead of only the collective's "connection closed by peer". Costs `within` when no child fails.
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
-            if any(child.poll() not in (None, 0) for child in self.children):
+            if any(child.poll() not in (None, *_ENDED) for child in self.children):
                 return
             time.sleep(0.02)
 
@@ -267,7 +268,7 @@ class SubprocessLauncher:
         if not self._killing:
             for child in self.children:  # name those that failed on their own, before this process stops the rest
                 code = child.poll()
-                if code not in (None, 0):
+                if code not in (None, *_ENDED):
                     self._report(child, code, "stopping the other processes")
         self._killing = True
         for child in self.children:
@@ -293,7 +294,7 @@ class SubprocessLauncher:
     def _wait_for_children(self) -> None:
         for child in self.children:
             code = child.wait()
-            if code != 0 and not self._killing:  # those this process stopped itself: its own error is the news
+            if code not in _ENDED and not self._killing:  # those this process stopped itself: its own error is the news
                 self._report(child, code, "this run failed")
                 os._exit(_exit_code(code))
 

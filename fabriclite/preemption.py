@@ -4,7 +4,7 @@ turns that into a value the training loop checks once per step, so it can save a
 
     if fabric.preempted:
         fabric.save(folder / f"step-{step}.ckpt", state)
-        break
+        sys.exit(PREEMPTED_EXIT_CODE)  # 75, "preempted, resumable"
 
 The first read of ``fabric.preempted`` installs handlers for SIGTERM and SIGUSR1 in that process (before it, the
 signals keep their usual effect). A handler only notes the signal; the reads then agree across ranks with one tiny
@@ -12,19 +12,26 @@ all-reduce each (the ranks may have received it at different steps, or only one 
 True at the same step. The all-reduce a read starts runs during the next step and its result is taken at the next
 read: no read waits for the other ranks, and True comes one read after the signal was noted. Reading it is
 therefore a collective: every rank reads it, at the same place in the loop. Once True it stays True. A second
-signal ends the process the hard way (the signal's default action).
+signal, ``SAME_NOTICE_S`` seconds or more after the first, ends the process the hard way (the signal's default
+action); one sooner is the same notice come twice (SLURM and a launcher both passing it on).
 
-After a preemption the launcher (``fabriclite run``) exits with ``PREEMPTED_EXIT_CODE``, "preempted, resumable",
-or, in a SLURM job that may be requeued, requeues it with ``scontrol requeue`` (``requeue``).
+After a preemption, under ``fabriclite run`` its launcher ends the run once the ranks have exited (with 0 or 75): it
+requeues the SLURM job where that is allowed (``requeue``) and exits with ``PREEMPTED_EXIT_CODE``. Ranks with no
+fabriclite launcher above them (srun's tasks, torchrun's workers, a plain ``python train.py``) end it themselves
+when their script ends: every rank waits at a barrier until all have got there (so all have saved), then global
+rank 0 requeues the SLURM job. Their exit code is the script's: ``sys.exit(PREEMPTED_EXIT_CODE)`` says it.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -34,7 +41,12 @@ import torch.distributed as dist
 PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
+# A notice again within this many seconds is the same one come by another path: SLURM may signal every process of a
+# job step, the ranks and the launcher above them, and the launcher passes it on to the ranks too.
+SAME_NOTICE_S = 2.0
+
 _received: int | None = None  # the first preemption signal this process got
+_received_at = 0.0  # when (time.monotonic())
 _installed = False
 _rank = 0  # this process's global rank, for the line said on a notice
 _agreed = False
@@ -55,15 +67,17 @@ def install(rank: int = 0) -> None:
 
 
 def _note(signum: int, frame: Any) -> None:
-    global _received
+    global _received, _received_at
     if _received is not None:
+        if time.monotonic() - _received_at < SAME_NOTICE_S:
+            return
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)  # the second notice: end now, as the signal would have without us
         return
-    _received = signum
+    _received, _received_at = signum, time.monotonic()
     message = (
-        f"fabriclite: rank {_rank} received {signal.Signals(signum).name}; fabric.preempted becomes True at the next "
-        "step (a second signal ends the run at once).\n"
+        f"fabriclite: rank {_rank} received {signal.Signals(signum).name}; fabric.preempted becomes True on every rank "
+        f"within two reads (a second signal, {SAME_NOTICE_S:g} s or more later, ends the run at once).\n"
     )
     os.write(2, message.encode())  # not print(): the main thread may be inside a print right now
 
@@ -88,6 +102,8 @@ def agreed(strategy: Any) -> bool:
         flag = torch.tensor([float(noticed)], device=strategy.root_device)
         noticed = bool(strategy.all_reduce(flag, reduce_op="max").item())
     _agreed = noticed
+    if noticed:
+        _end_at_exit(strategy)
     return noticed
 
 
@@ -121,6 +137,36 @@ def settle() -> None:
     reduction, _in_flight = _in_flight, None
     if reduction is not None:
         reduction.result()
+
+
+def _end_at_exit(strategy: Any) -> None:
+    # `fabriclite run` requeues once its ranks have exited. Ranks with no fabriclite launcher above them (srun's
+    # tasks, torchrun's workers, a plain `python train.py`) end the run themselves, when their script ends.
+    if os.environ.get("FABRICLITE_LAUNCHER") != "fabriclite run":  # supervisor.LAUNCHER_ENV, as it sets it
+        atexit.register(_end, strategy)  # runs before the strategy's teardown, registered earlier, closes the group
+
+
+def _end(strategy: Any) -> None:
+    """At the end of a preempted script: wait until every rank got there (so every rank has saved; rank 0's
+    background write has finished before any exit handler runs), then on rank 0 requeue the SLURM job."""
+    if strategy.world_size > 1:
+        try:
+            strategy.barrier()
+        except Exception as error:  # a rank died: the job is still worth resuming from its newest complete checkpoint
+            _say(f"fabriclite: not every rank reached the end of the script after the preemption ({error}).")
+    if not strategy.is_global_zero:
+        return
+    if requeue(say=_say):
+        # SLURM now ends this job with SIGTERM, then SIGKILL after its KillWait: let the exit finish meanwhile (the
+        # handlers above would take that SIGTERM for a second notice and cut it short).
+        for signum in SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+    else:
+        _say("fabriclite: preempted; every rank has saved and reached the end of its script: run it again to resume.")
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def requeue(say: Any = print) -> bool:

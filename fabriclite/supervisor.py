@@ -36,6 +36,7 @@ RESTART_ENV = "FABRICLITE_RESTART_COUNT"
 MAX_RESTARTS_ENV = "FABRICLITE_MAX_RESTARTS"  # for fabric.launch(), which has no command line
 DEFAULT_DEADLINE_S = 300.0  # after a preemption notice, how long the ranks may take to save and exit
 _FORWARDED = (signal.SIGINT, *SIGNALS)
+_ENDED = (0, PREEMPTED_EXIT_CODE)  # how a rank ends well: a rank that saved after a preemption notice exits 75
 
 
 def _die_with_parent() -> None:
@@ -191,13 +192,14 @@ class Supervisor:
                 self.notice = self.notice or self.nodes.preempted()
             if self.notice and stop_by is None:
                 stop_by = time.monotonic() + self.deadline
-            ended_well = all(code == 0 or (self.notice and code == PREEMPTED_EXIT_CODE) for code in codes)
+            # A rank that saved after a notice exits 0 or 75; 75 also when the notice reached the ranks, not this.
+            ended_well = all(code in _ENDED for code in codes)
             if ended_well and (not self.nodes or self.nodes.finish(attempt)):
-                return (self._after_notice() if self.notice else 0), None
+                return (self._after_notice() if self.notice or PREEMPTED_EXIT_CODE in codes else 0), None
             if self.notice and all(code is not None for code in codes) and not ended_well:
                 self._stop()
                 return _first(codes), "a rank failed after the preemption notice"
-            failed = not self.notice and any(code not in (None, 0) for code in codes)
+            failed = not self.notice and any(code not in (None, *_ENDED) for code in codes)
             if failed or (not self.notice and self.nodes and self.nodes.stop_requested(attempt)):
                 return self._after_failure(attempt, failed), None
             if stop_by is not None and time.monotonic() > stop_by:
@@ -273,4 +275,4 @@ class Supervisor:
 
 
 def _first(codes: list[int | None]) -> int:
-    return next((_exit_code(code) for code in codes if code not in (None, 0)), 0)
+    return next((_exit_code(code) for code in codes if code not in (None, *_ENDED)), 0)

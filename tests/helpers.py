@@ -142,3 +142,15 @@ def run_on_small_disk(tmp_path: Path, size: str, script: str, *args: str) -> sub
     disk.mkdir()
     command = f"mount -t tmpfs -o size={size} tmpfs {disk} && exec {sys.executable} {SCRIPTS / script} {disk} {' '.join(args)}"
     return subprocess.run([*base, "sh", "-c", command], capture_output=True, text=True, timeout=300, env=python_env())
+
+
+def fake_scontrol(folder: Path, allowed: bool = True) -> tuple[dict[str, str], Path]:
+    """A stand-in for SLURM's `scontrol` (SLURM cannot run here): a script in ``folder`` that appends its arguments
+    to a log and succeeds, or, with ``allowed=False``, fails as SLURM does for a job that may not be requeued.
+    Returns (the environment of a process in SLURM job 4242 with it first on PATH, the log's path)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "scontrol.log"
+    answer = "exit 0" if allowed else 'echo "Requested operation not supported on this job" >&2; exit 1'
+    (folder / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n{answer}\n')
+    (folder / "scontrol").chmod(0o755)
+    return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}, log

@@ -2,6 +2,7 @@
 preemption notice (SIGTERM, SIGUSR1) makes every rank save at the same step and the run exit "preempted,
 resumable" (or requeue the SLURM job), and the resumed run ends bit-identical to one never interrupted."""
 
+import atexit
 import os
 import re
 import signal
@@ -10,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS, read_until, run_python, sigkill, start_python, still_running
+from helpers import ROOT, SCRIPTS, fake_scontrol, read_until, run_python, sigkill, start_python, still_running
 
 from fabriclite.plugins.environments import free_port
 from fabriclite.preemption import PREEMPTED_EXIT_CODE
@@ -148,22 +149,10 @@ def test_a_preemption_notice_saves_every_rank_at_one_step_and_the_rerun_ends_bit
     assert_same_weights(expected, tmp_path / "run.pt")
 
 
-FAKE_SCONTROL = """\
-#!/bin/sh
-echo "$@" >> "{log}"
-{action}
-"""
-
-
 @pytest.mark.parametrize("allowed", [True, False])
 def test_in_a_slurm_job_a_preempted_run_requeues_it_when_allowed(tmp_path, allowed):
     """SLURM itself cannot run here: a stand-in `scontrol` on PATH records the call and answers as SLURM does."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "scontrol.log"
-    bin_dir.mkdir()
-    action = "exit 0" if allowed else 'echo "Requested operation not supported on this job" >&2; exit 1'
-    (bin_dir / "scontrol").write_text(FAKE_SCONTROL.format(log=log, action=action))
-    (bin_dir / "scontrol").chmod(0o755)
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    env, log = fake_scontrol(tmp_path / "bin", allowed)
     args = run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.05")
     code, output, _ = interrupted(args, "step 5\n", send(signal.SIGUSR1), **env)
     assert code == PREEMPTED_EXIT_CODE, output[-3000:]
@@ -298,6 +287,7 @@ def preemption_reset():
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
     preemption._received, preemption._installed, preemption._agreed, preemption._in_flight = None, False, False, None
+    atexit.unregister(preemption._end)  # this process is pytest: nothing to requeue when it ends
 
 
 def test_fabric_preempted_turns_true_after_sigusr1_and_stays_true(preemption_reset):

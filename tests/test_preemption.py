@@ -6,9 +6,10 @@ import re
 import signal
 import subprocess
 
-from helpers import SCRIPTS, read_until, sigkill, start_python
+from helpers import SCRIPTS, fake_scontrol, read_until, sigkill, start_python, still_running
 
 from fabriclite.plugins.environments import free_port
+from fabriclite.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = str(SCRIPTS / "long_run.py")
 TIMEOUT = 300
@@ -25,7 +26,7 @@ def srun_tasks(folder, *flags, **env):
             "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
         }  # fmt: skip
         args = [SCRIPT, str(folder), "--out", str(folder / "final.pt"), "--accelerator", "cpu", "--devices", "2"]
-        tasks.append(start_python(*args, *flags, **slurm, **env))
+        tasks.append(start_python(*args, *flags, **{**slurm, **env}))
     return tasks
 
 
@@ -45,11 +46,15 @@ def finish(tasks):
     return codes, output
 
 
-def test_a_notice_to_one_srun_task_only_stops_both_at_the_same_step(tmp_path):
-    tasks = srun_tasks(tmp_path / "run", "--sleep", "0.05")
+def test_a_notice_to_one_srun_task_stops_both_at_one_step_rank_0_requeues_and_both_exit_75(tmp_path):
+    env, log = fake_scontrol(tmp_path / "bin")
+    folder = tmp_path / "run"
+    tasks = srun_tasks(folder, "--sleep", "0.05", **env)
     try:
         before = read_until(tasks[0], "step 5\n", timeout=TIMEOUT)
         tasks[1].send_signal(signal.SIGUSR1)  # rank 1 alone: rank 0 learns it from the agreement
+        before += read_until(tasks[1], "rank 1 received SIGUSR1", timeout=TIMEOUT)
+        tasks[1].send_signal(signal.SIGUSR1)  # again at once, as SLURM and a launcher may both send it: one notice
     except BaseException:
         finish(tasks)
         raise
@@ -58,6 +63,14 @@ def test_a_notice_to_one_srun_task_only_stops_both_at_the_same_step(tmp_path):
     saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", output))
     assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], output[-3000:]
     assert "rank 1 received SIGUSR1" in output and "rank 0 received" not in output
+    assert codes == [PREEMPTED_EXIT_CODE, PREEMPTED_EXIT_CODE], output[-3000:]
+    assert log.read_text() == "requeue 4242\n"  # once, by rank 0, after both saved
+    assert "fabriclite: requeued SLURM job 4242" in output
+
+    # What SLURM does with a requeued job: start the same tasks again. They resume where they stopped.
+    codes, again = finish(srun_tasks(folder, **env))
+    assert codes == [0, 0], again[-3000:]
+    assert f"resumed from step-{int(saved['0']):04d}.ckpt at step {saved['0']}" in again, again[-3000:]
 
 
 def test_srun_tasks_never_preempted_end_normally_with_the_last_reads_all_reduce_in_flight(tmp_path):
@@ -65,3 +78,25 @@ def test_srun_tasks_never_preempted_end_normally_with_the_last_reads_all_reduce_
     codes, output = finish(srun_tasks(tmp_path / "run", "--epochs", "1"))
     assert codes == [0, 0], output[-3000:]
     assert "done" in output and "saved at step" not in output
+
+
+def test_torchrun_given_the_notice_stops_its_workers_at_one_step_and_restarts_none(tmp_path):
+    # torchrun handles SIGTERM: it passes it to every worker and ends the group, whatever the workers' exit codes,
+    # even with restarts left; a worker's exit 75 alone would count as a failure and start the group again.
+    folder = tmp_path / "run"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    args = [SCRIPT, str(folder), "--out", str(folder / "final.pt"), "--accelerator", "cpu", "--devices", "2"]
+    child = start_python(*torchrun, *args, "--sleep", "0.05")
+    try:
+        output = read_until(child, "step 5\n", timeout=TIMEOUT)
+        child.send_signal(signal.SIGTERM)
+        output += child.communicate(timeout=TIMEOUT)[0]
+    finally:
+        sigkill(child)
+    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", output))
+    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], output[-3000:]
+    assert output.count("fresh start") == 1 and "resumed from" not in output, output[-3000:]  # no restart
+    assert "every rank has saved and reached the end of its script" in output, output[-3000:]
+    workers = [int(pid) for pid in re.findall(r"pid \d (\d+)", output)]
+    assert len(workers) == 2 and still_running(workers, within=30) == []
+    assert child.returncode == 1, output[-3000:]  # torchrun's own code after a signal; the workers' 75 stays inside

@@ -2,12 +2,13 @@
 `load_latest` at the top, a checkpoint every few steps, `fabric.preempted` checked every step.
 
 Prints "pid RANK PID" at the start, "step N" (rank 0) after every step, "RANK saved at step N on preemption" when
-preempted, and writes rank 0's final weights to --out.
+preempted (then exits with 75), and writes rank 0's final weights to --out.
 Usage: fabriclite run --accelerator cpu --devices 2 long_run.py FOLDER --out W.pt [--asynchronous] [--sleep S]
 """
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
+from fabriclite.preemption import PREEMPTED_EXIT_CODE
 from noisy_step import noisy_step
 
 parser = argparse.ArgumentParser()
@@ -76,3 +78,5 @@ if not preempted:
     if fabric.is_global_zero:
         torch.save(weights, args.out)
 fabric.print("done" if not preempted else "stopped for preemption", flush=True)
+if preempted:
+    sys.exit(PREEMPTED_EXIT_CODE)  # 75, "preempted, resumable": the same under `fabriclite run`, srun or torchrun
