@@ -149,6 +149,15 @@ def test_a_preemption_notice_saves_every_rank_at_one_step_and_the_rerun_ends_bit
     assert_same_weights(expected, tmp_path / "run.pt")
 
 
+def test_a_notice_to_one_rank_alone_ends_the_run_preempted_and_restarts_nothing(tmp_path):
+    args = run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.05", restarts=1)
+    code, output, _ = interrupted(args, "step 5\n", lambda child, ranks: os.kill(ranks[1], signal.SIGUSR1))
+    assert code == PREEMPTED_EXIT_CODE, output[-3000:]  # the ranks' 75 says it, though this launcher got no signal
+    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", output))
+    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], output[-3000:]
+    assert "restart" not in output and f"Exit code {PREEMPTED_EXIT_CODE}" in output, output[-3000:]
+
+
 @pytest.mark.parametrize("allowed", [True, False])
 def test_in_a_slurm_job_a_preempted_run_requeues_it_when_allowed(tmp_path, allowed):
     """SLURM itself cannot run here: a stand-in `scontrol` on PATH records the call and answers as SLURM does."""

@@ -100,3 +100,21 @@ def test_torchrun_given_the_notice_stops_its_workers_at_one_step_and_restarts_no
     workers = [int(pid) for pid in re.findall(r"pid \d (\d+)", output)]
     assert len(workers) == 2 and still_running(workers, within=30) == []
     assert child.returncode == 1, output[-3000:]  # torchrun's own code after a signal; the workers' 75 stays inside
+
+
+def test_fabric_launch_ranks_preempted_through_the_first_process_save_at_one_step_and_it_exits_75(tmp_path):
+    # `python long_run.py` with Fabric(devices=2).launch(): the first process is rank 0 and starts rank 1, which
+    # exits 75 after saving; that is how a preempted rank ends, not a failure that stops rank 0 mid-save.
+    folder = tmp_path / "run"
+    args = [SCRIPT, str(folder), "--out", str(folder / "final.pt"), "--accelerator", "cpu", "--devices", "2"]
+    child = start_python(*args, "--sleep", "0.05")
+    try:
+        output = read_until(child, "step 5\n", timeout=TIMEOUT)
+        child.send_signal(signal.SIGTERM)  # passed on to rank 1 by rank 0
+        output += child.communicate(timeout=TIMEOUT)[0]
+    finally:
+        sigkill(child)
+    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", output))
+    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], output[-3000:]
+    assert child.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert "exited with code" not in output, output[-3000:]
