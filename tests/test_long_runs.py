@@ -251,14 +251,23 @@ def test_across_nodes_more_failures_than_restarts_end_every_node_with_the_failur
     assert sorted(ranks) == [0, 1] and still_running(list(ranks.values()), within=30) == []
 
 
-def test_across_nodes_a_sigkilled_node_supervisor_stops_the_other_node_and_leaves_no_rank(tmp_path):
-    def kill_node_1(nodes, ranks):
-        nodes[1].send_signal(signal.SIGKILL)
+@pytest.mark.parametrize(
+    ("killed", "message"),
+    [
+        (1, "node 1's supervisor stopped answering (no heartbeat for 60 s)"),
+        (0, "lost the connection to node 0's supervisor at 127.0.0.1:"),
+    ],
+    ids=["node-1", "node-0-with-the-store"],
+)
+def test_across_nodes_a_sigkilled_node_supervisor_stops_the_other_node_and_leaves_no_rank(tmp_path, killed, message):
+    def kill_node(nodes, ranks):
+        nodes[killed].send_signal(signal.SIGKILL)
 
-    codes, outputs, ranks = two_nodes(tmp_path, "run", "--sleep", "0.2", restarts=1, at="step 3\n", act=kill_node_1)
-    assert codes[0] == 1, outputs[0][-3000:]
-    assert "node 1's supervisor stopped answering (no heartbeat for 60 s)" in outputs[0], outputs[0][-3000:]
-    assert "stopping every rank of node 0." in outputs[0] and "restart 1 of 1" not in outputs[0]
+    codes, outputs, ranks = two_nodes(tmp_path, "run", "--sleep", "0.2", restarts=1, at="step 3\n", act=kill_node)
+    other = 1 - killed
+    assert codes[other] == 1, outputs[other][-3000:]
+    assert message in outputs[other], outputs[other][-3000:]
+    assert f"stopping every rank of node {other}." in outputs[other] and "restart 1 of 1" not in outputs[other]
     assert sorted(ranks) == [0, 1] and still_running(list(ranks.values()), within=30) == []
 
 
