@@ -83,7 +83,6 @@ class NodeGroup:
         self.lost_nodes: set[int] = set()
         self._finished: set[int] = set()  # attempts this node counted itself finished in
         self._closing = threading.Event()
-        self._heart: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------ joining, leaving
     def join(self) -> None:
@@ -100,20 +99,20 @@ class NodeGroup:
             if self.node_rank == 0:
                 raise NodeGroupError(
                     f"node 0 cannot host the run's store on port {self.port} ({_first_line(error)}); "
-                    "choose a free --main-port, the same on every node."
+                    "choose a free --main-port, the same on every node"
                 ) from None
             raise NodeGroupError(
                 f"node {self.node_rank} could not reach node 0's supervisor at {where} within "
                 f"{self.join_timeout:g} s ({_first_line(error)}); start `fabriclite run --node-rank 0` there with "
-                "the same --main-address and --main-port."
+                "the same --main-address and --main-port"
             ) from None
         self.store.set_timeout(timedelta(seconds=self.timeout))
         if self.node_rank == 0:
             self._call("set", "num_nodes", str(self.num_nodes))
         elif (theirs := int(self._call("get", "num_nodes"))) != self.num_nodes:
-            raise NodeGroupError(f"node 0 runs --num-nodes {theirs}, this node --num-nodes {self.num_nodes}.")
+            raise NodeGroupError(f"node 0 runs --num-nodes {theirs}, this node --num-nodes {self.num_nodes}")
         if self._call("add", f"node/{self.node_rank}", 1) > 1:
-            raise NodeGroupError(f"another node already joined this run as --node-rank {self.node_rank}.", code=2)
+            raise NodeGroupError(f"another node already joined this run as --node-rank {self.node_rank}", code=2)
         self._call("set", f"processes/{self.node_rank}", str(self.processes))
         self._call("add", f"beat/{self.node_rank}", 1)
         self._call("add", "joined", 1)
@@ -129,10 +128,9 @@ class NodeGroup:
         if len(set(counts)) > 1:
             listed = ", ".join(f"node {n}: {count}" for n, count in enumerate(counts))
             raise NodeGroupError(
-                f"the nodes start different numbers of processes ({listed}); give every node the same --devices."
+                f"the nodes start different numbers of processes ({listed}); give every node the same --devices"
             )
-        self._heart = threading.Thread(target=self._beat, name="fabriclite-heartbeat", daemon=True)
-        self._heart.start()
+        threading.Thread(target=self._beat, name="fabriclite-heartbeat", daemon=True).start()
 
     def leave(self, code: int, reason: str | None = None) -> None:
         """Say goodbye: with a ``reason``, this node ends the run on its own and the others end with ``code`` too.

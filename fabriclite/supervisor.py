@@ -214,7 +214,6 @@ class Supervisor:
         codes = self._codes_after_a_failure() if here else [rank.poll() for rank in self.ranks]
         first = self.node_rank * self.processes
         failures = [(first + local, code) for local, code in enumerate(codes) if code not in (None, 0)]
-        failures.sort(key=lambda failure: (failure[1] >= 0, failure[0]))  # the one a signal killed first
         self._stop()
         if self.nodes:
             node, rank, code = self.nodes.stop(attempt, failures)

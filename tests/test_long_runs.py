@@ -199,22 +199,23 @@ def test_ranks_that_do_not_exit_by_the_deadline_after_a_notice_are_killed():
 
 
 # ---------------------------------------------------------------- across nodes: two `fabriclite run` on loopback
-def node_args(node, port, folder, out, *flags, restarts=0):
+def node_args(node, port, folder, out, *flags, restarts=0, strategy="ddp"):
     """One node's `fabriclite run` of a two-node run with one process per node; node 0 hosts the store on ``port``."""
     return [
-        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "1", "--strategy", "ddp",
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "1", "--strategy", strategy,
         "--num-nodes", "2", "--node-rank", str(node), "--main-address", "127.0.0.1", "--main-port", str(port),
         "--max-restarts", str(restarts), SCRIPT, str(folder), "--out", str(out), *flags,
     ]  # fmt: skip
 
 
-def two_nodes(tmp_path, name, *flags, restarts=0, at=None, act=None):
+def two_nodes(tmp_path, name, *flags, restarts=0, at=None, act=None, strategy="ddp"):
     """Run both nodes (checkpoints in the folder ``name``, weights in ``name``.pt); with ``at``, wait for node 0's
     output line ``at`` and call ``act(supervisors, ranks)`` (``ranks``: global rank -> PID). Return both exit codes,
     both outputs and ``ranks``."""
     port = free_port()
     folder, out = tmp_path / name, tmp_path / f"{name}.pt"
-    nodes = [start_python(*node_args(node, port, folder, out, *flags, restarts=restarts)) for node in (0, 1)]
+    args = [node_args(node, port, folder, out, *flags, restarts=restarts, strategy=strategy) for node in (0, 1)]
+    nodes = [start_python(*args[node]) for node in (0, 1)]
     try:
         before, ranks = ["", ""], {}
         if at is not None:
@@ -229,11 +230,13 @@ def two_nodes(tmp_path, name, *flags, restarts=0, at=None, act=None):
     return [node.returncode for node in nodes], outputs, ranks
 
 
-def test_across_nodes_a_rank_sigkilled_mid_run_restarts_every_node_and_ends_bit_identical(tmp_path):
-    codes, outputs, _ = two_nodes(tmp_path, "ref")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_across_nodes_a_rank_sigkilled_mid_run_restarts_every_node_and_ends_bit_identical(tmp_path, strategy):
+    codes, outputs, _ = two_nodes(tmp_path, "ref", strategy=strategy)
     assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     expected = torch.load(tmp_path / "ref.pt")
-    codes, outputs, _ = two_nodes(tmp_path, "run", "--sleep", "0.05", restarts=1, at="step 33\n", act=kill_rank(1))
+    kill = {"restarts": 1, "at": "step 33\n", "act": kill_rank(1)}
+    codes, outputs, _ = two_nodes(tmp_path, "run", "--sleep", "0.05", strategy=strategy, **kill)
     assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     line = "fabriclite: rank 1 on node 1 was killed by SIGKILL; stopping every rank and starting them again (restart 1 of 1)."
     assert all(output.count(line) == 1 for output in outputs), outputs
@@ -249,14 +252,23 @@ def test_across_nodes_more_failures_than_restarts_end_every_node_with_the_failur
     assert sorted(ranks) == [0, 1] and still_running(list(ranks.values()), within=30) == []
 
 
-def test_across_nodes_a_sigkilled_node_supervisor_stops_the_other_node_and_leaves_no_rank(tmp_path):
-    def kill_node_1(nodes, ranks):
-        nodes[1].send_signal(signal.SIGKILL)
+@pytest.mark.parametrize(
+    ("killed", "message"),
+    [
+        (1, "node 1's supervisor stopped answering (no heartbeat for 60 s)"),
+        (0, "lost the connection to node 0's supervisor at 127.0.0.1:"),
+    ],
+    ids=["node-1", "node-0-with-the-store"],
+)
+def test_across_nodes_a_sigkilled_node_supervisor_stops_the_other_node_and_leaves_no_rank(tmp_path, killed, message):
+    def kill_node(nodes, ranks):
+        nodes[killed].send_signal(signal.SIGKILL)
 
-    codes, outputs, ranks = two_nodes(tmp_path, "run", "--sleep", "0.2", restarts=1, at="step 3\n", act=kill_node_1)
-    assert codes[0] == 1, outputs[0][-3000:]
-    assert "node 1's supervisor stopped answering (no heartbeat for 60 s)" in outputs[0], outputs[0][-3000:]
-    assert "stopping every rank of node 0." in outputs[0] and "restart 1 of 1" not in outputs[0]
+    codes, outputs, ranks = two_nodes(tmp_path, "run", "--sleep", "0.2", restarts=1, at="step 3\n", act=kill_node)
+    other = 1 - killed
+    assert codes[other] == 1, outputs[other][-3000:]
+    assert message in outputs[other], outputs[other][-3000:]
+    assert f"stopping every rank of node {other}." in outputs[other] and "restart 1 of 1" not in outputs[other]
     assert sorted(ranks) == [0, 1] and still_running(list(ranks.values()), within=30) == []
 
 

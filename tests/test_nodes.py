@@ -6,9 +6,10 @@ ending bit-identical, a lost node, preemption) are in test_long_runs.py."""
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from helpers import run_python
 
-from fabriclite.nodes import pick_failure
+from fabriclite.nodes import NodeGroup, NodeGroupError, pick_failure
 from fabriclite.plugins.environments import free_port
 
 TIMEOUT = 300
@@ -73,3 +74,37 @@ def test_nodes_that_start_different_numbers_of_processes_are_refused_naming_them
 def test_the_failure_named_is_the_first_a_signal_killed_else_the_first_reported():
     assert pick_failure([(0, 1), (1, -9), (2, -15)]) == (1, -9)
     assert pick_failure([(3, 1), (0, 2)]) == (3, 1)
+
+
+# ---------------------------------------------------------------- joining, in this process (real stores on loopback)
+def test_a_node_that_cannot_reach_node_0_says_where_it_looked():
+    port = free_port()
+    with pytest.raises(
+        NodeGroupError, match=rf"node 1 could not reach node 0's supervisor at 127.0.0.1:{port} within 2 s"
+    ):
+        NodeGroup(2, 1, "127.0.0.1", port, processes=1, join_timeout=2).join()
+
+
+def test_node_0_alone_says_how_many_nodes_joined():
+    node = NodeGroup(2, 0, "127.0.0.1", free_port(), processes=1, timeout=5, join_timeout=2)
+    try:
+        with pytest.raises(NodeGroupError, match="only 1 of 2 nodes joined within 2 s"):
+            node.join()
+    finally:
+        node.leave(1)
+
+
+def test_a_second_node_with_the_same_node_rank_is_refused():
+    port = free_port()
+    nodes = [NodeGroup(2, rank, "127.0.0.1", port, processes=1, timeout=5, join_timeout=60) for rank in (0, 1)]
+    duplicate = NodeGroup(2, 1, "127.0.0.1", port, processes=1, timeout=5, join_timeout=60)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(NodeGroup.join, nodes))
+        assert nodes[0].rendezvous_port(0) == nodes[1].rendezvous_port(0)  # both meet on node 0's pick
+        with pytest.raises(NodeGroupError, match="another node already joined this run as --node-rank 1") as error:
+            duplicate.join()
+        assert error.value.code == 2
+    finally:
+        for node in (duplicate, nodes[1], nodes[0]):
+            node.leave(0)
