@@ -213,7 +213,7 @@ class Supervisor:
         or None to start the group again."""
         codes = self._codes_after_a_failure() if here else [rank.poll() for rank in self.ranks]
         first = self.node_rank * self.processes
-        failures = [(first + local, code) for local, code in enumerate(codes) if code not in (None, 0)]
+        failures = [(first + local, code) for local, code in enumerate(codes) if code not in (None, *_ENDED)]
         self._stop()
         if self.nodes:
             node, rank, code = self.nodes.stop(attempt, failures)
