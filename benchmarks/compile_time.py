@@ -171,7 +171,7 @@ def main() -> None:
             print(f"  run {run + 1} {case}: {results[case][-1]}", file=sys.stderr, flush=True)
     print(f"- load average after: {os.getloadavg()[0]:.2f} (1 min)\n")
     print(
-        "| mode | machine cache | first step, wall (s) | first step, CPU (s) | of which C++ compiler (s) | C++ compiler runs "
+        "| mode | machine cache | first step, wall (s) | first step, CPU (s) | of which C++ compiler and probes (s) | C++ compiler runs "
         "| whole process, CPU (s) | steady step, wall (ms) | steady step, CPU (ms) | graphs | recompiles after eval |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
