@@ -123,6 +123,7 @@ class _CountingBackend:
             self.inner = wrapper(mode, inductor_options, dynamic, **({"name": name} if name else {}))
         else:
             self.inner = torch._TorchCompileWrapper(backend, mode, inductor_options, dynamic)
+        self.__name__ = getattr(self.inner, "compiler_name", "backend")  # what Dynamo's logs call the backend
         self.graphs = 0
         self.break_reasons: list[str] = []
         self._compile_ids: set[Any] = set()
@@ -133,7 +134,8 @@ class _CountingBackend:
         # DDP's optimizer splits one Dynamo graph into buckets, each handed over on its own within one compile.
         compile_id = CompileContext.current_compile_id()
         if compile_id is None or compile_id not in self._compile_ids:
-            self._compile_ids.add(compile_id)
+            if compile_id is not None:
+                self._compile_ids.add(compile_id)
             self.graphs += 1
         reason = getattr(gm, "compile_subgraph_reason", None)
         if reason is not None and reason.graph_break and not reason.reason.startswith("DDPOptimizer"):

@@ -214,8 +214,8 @@ class Fabric(LegacyAPI):
         self.call("on_after_setup", fabric=self, module=module)
 
     def compile_report(self) -> list[dict[str, Any]]:
-        """What torch.compile did for each model set up with ``compile=...``: graphs and graph breaks after the
-        first step, recompiles since, and the reasons for the breaks.
+        """What torch.compile did for each model set up with ``compile=...``, that model's alone: graphs after its
+        first step, recompiles since, graph breaks and their reasons.
 
         Usage: ``fabric.print(fabric.compile_report())`` after the first training step.
         """
