@@ -107,13 +107,21 @@ class NodeGroup:
                 "the same --main-address and --main-port"
             ) from None
         self.store.set_timeout(timedelta(seconds=self.timeout))
+        # Node 0's settings are the run's. A node started with others is refused before it counts as joined, on its
+        # own (no "abort" to the others, no "left"): the run goes on waiting for the right node.
         if self.node_rank == 0:
-            self._call("set", "num_nodes", str(self.num_nodes))
-        elif (theirs := int(self._call("get", "num_nodes"))) != self.num_nodes:
-            raise NodeGroupError(f"node 0 runs --num-nodes {theirs}, this node --num-nodes {self.num_nodes}")
-        if self._call("add", f"node/{self.node_rank}", 1) > 1:
-            raise NodeGroupError(f"another node already joined this run as --node-rank {self.node_rank}", code=2)
-        self._call("set", f"processes/{self.node_rank}", str(self.processes))
+            self._call("set", "settings", f"{self.num_nodes} {self.processes}")
+        else:
+            theirs, ours = self._call("get", "settings").decode(), f"{self.num_nodes} {self.processes}"
+            if theirs != ours:
+                nodes, processes = theirs.split()
+                self._refuse(
+                    f"node 0 runs --num-nodes {nodes} with {processes} device(s) per node, this node --num-nodes "
+                    f"{self.num_nodes} with {self.processes}; give every node the same --num-nodes and number of "
+                    "--devices"
+                )
+        if self._call("add", f"node/{self.node_rank}", 1) > 1:  # the first to claim a node rank holds it
+            self._refuse(f"another node already joined this run as --node-rank {self.node_rank}", code=2)
         self._call("add", f"beat/{self.node_rank}", 1)
         self._call("add", "joined", 1)
         self._wait(
@@ -124,13 +132,13 @@ class NodeGroup:
                 f"{self.join_timeout:g} s; start `fabriclite run` on every node, each with its --node-rank"
             ),
         )
-        counts = [int(value) for value in self._call("multi_get", [f"processes/{n}" for n in range(self.num_nodes)])]
-        if len(set(counts)) > 1:
-            listed = ", ".join(f"node {n}: {count}" for n, count in enumerate(counts))
-            raise NodeGroupError(
-                f"the nodes start different numbers of processes ({listed}); give every node the same --devices"
-            )
         threading.Thread(target=self._beat, name="fabriclite-heartbeat", daemon=True).start()
+
+    def _refuse(self, message: str, code: int = LOST_EXIT_CODE) -> None:
+        """Leave the run's store untouched from here on (``leave`` has nothing to tell) and raise ``message``."""
+        self._closing.set()
+        self.store = None
+        raise NodeGroupError(f"this node is refused: {message}", code=code)
 
     def leave(self, code: int, reason: str | None = None) -> None:
         """Say goodbye: with a ``reason``, this node ends the run on its own and the others end with ``code`` too.

@@ -169,10 +169,21 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def slurm_job_id() -> str | None:
+    """The id under which SLURM requeues this job, or None outside SLURM: ``<array job>_<task>`` in an array job
+    (``SLURM_ARRAY_JOB_ID``, ``SLURM_ARRAY_TASK_ID``; the task, not the whole array, is what was preempted), else
+    ``SLURM_JOB_ID``. Usage: ``scontrol requeue <slurm_job_id()>``."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
 def requeue(say: Any = print) -> bool:
-    """In a SLURM job, ask SLURM to requeue it (``scontrol requeue $SLURM_JOB_ID``); True when it did. A job that
-    may not be requeued (``--no-requeue``, the cluster's policy) makes scontrol fail: False, and the reason said."""
-    job = os.environ.get("SLURM_JOB_ID")
+    """In a SLURM job, ask SLURM to requeue it (``scontrol requeue`` with ``slurm_job_id()``); True when it did. A
+    job that may not be requeued (``--no-requeue``, the cluster's policy) makes scontrol fail: False, and the reason
+    said."""
+    job = slurm_job_id()
     scontrol = shutil.which("scontrol")
     if job is None or scontrol is None:
         return False

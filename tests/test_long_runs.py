@@ -208,11 +208,11 @@ def node_args(node, port, folder, out, *flags, restarts=0, strategy="ddp"):
     ]  # fmt: skip
 
 
-def two_nodes(tmp_path, name, *flags, restarts=0, at=None, act=None, strategy="ddp"):
-    """Run both nodes (checkpoints in the folder ``name``, weights in ``name``.pt); with ``at``, wait for node 0's
-    output line ``at`` and call ``act(supervisors, ranks)`` (``ranks``: global rank -> PID). Return both exit codes,
-    both outputs and ``ranks``."""
-    port = free_port()
+def two_nodes(tmp_path, name, *flags, restarts=0, at=None, act=None, strategy="ddp", port=None):
+    """Run both nodes (checkpoints in the folder ``name``, weights in ``name``.pt; node 0's store on ``port``, else
+    a free one); with ``at``, wait for node 0's output line ``at`` and call ``act(supervisors, ranks)`` (``ranks``:
+    global rank -> PID). Return both exit codes, both outputs and ``ranks``."""
+    port = port or free_port()
     folder, out = tmp_path / name, tmp_path / f"{name}.pt"
     args = [node_args(node, port, folder, out, *flags, restarts=restarts, strategy=strategy) for node in (0, 1)]
     nodes = [start_python(*args[node]) for node in (0, 1)]
@@ -284,6 +284,30 @@ def test_across_nodes_a_preemption_notice_ends_every_node_preempted(tmp_path, si
     assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], outputs
     assert all(f"Exit code {PREEMPTED_EXIT_CODE}: run it again to resume" in output for output in outputs)
     assert all("restart" not in output for output in outputs)
+
+
+def test_across_nodes_a_preempted_run_saves_at_one_step_and_the_same_commands_resume_it_bit_identical(tmp_path):
+    def notice(nodes, ranks):  # to node 0's supervisor alone, as a spot instance's
+        nodes[0].send_signal(signal.SIGTERM)
+
+    codes, outputs, _ = two_nodes(tmp_path, "ref")
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    expected = torch.load(tmp_path / "ref.pt")
+
+    port = free_port()
+    flags = ("--sleep", "0.05")
+    codes, outputs, _ = two_nodes(tmp_path, "run", *flags, port=port, at="step 20\n", act=notice)
+    assert codes == [PREEMPTED_EXIT_CODE] * 2, outputs[0][-3000:] + outputs[1][-3000:]
+    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", outputs[0] + outputs[1]))
+    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], outputs
+    assert not (tmp_path / "run.pt").exists()  # it stopped before the end
+
+    # A requeued job runs the same two commands again: load_latest at the script's top resumes both ranks.
+    codes, outputs, _ = two_nodes(tmp_path, "run", *flags, port=port)
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    line = f"resumed from step-{int(saved['0']):04d}.ckpt at step {saved['0']}"  # said by rank 0, on node 0
+    assert line in outputs[0] and "fresh start" not in outputs[0], outputs[0][-3000:]
+    assert_same_weights(expected, tmp_path / "run.pt")
 
 
 def test_across_nodes_a_node_that_ends_the_run_alone_ends_the_others_with_its_code(tmp_path):

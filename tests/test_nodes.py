@@ -1,13 +1,13 @@
 """Supervisors of one run on several machines kept in step (fabriclite/nodes.py), run for real as two
 `fabriclite run` on loopback with a script that needs no training: a node whose ranks finished still restarts them
-when another node's rank dies, and nodes started with different settings are refused. The training runs (restarts
+when another node's rank dies, and a node started with settings other than node 0's is refused on its own. The training runs (restarts
 ending bit-identical, a lost node, preemption) are in test_long_runs.py."""
 
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import run_python
+from helpers import read_until, run_python, sigkill, start_python
 
 from fabriclite.nodes import NodeGroup, NodeGroupError, pick_failure
 from fabriclite.plugins.environments import free_port
@@ -61,14 +61,56 @@ def test_without_restarts_every_node_exits_with_the_failed_ranks_code(tmp_path):
     assert all("fabriclite: rank 1 on node 1 exited with code 3; stopping every rank." in out for out in (out0, out1))
 
 
-def test_nodes_that_start_different_numbers_of_processes_are_refused_naming_them(tmp_path):
-    (code0, out0), (code1, out1) = run_two_nodes(tmp_path, devices=(1, 2))
-    assert (code0, code1) == (1, 1), out0 + out1
-    message = (
-        "the nodes start different numbers of processes (node 0: 1, node 1: 2); give every node the same --devices"
-    )
-    assert message in out0 and message in out1
-    assert "attempt" not in out0 + out1  # no rank was started
+# Every rank waits for the file GO, so the run is still on when the wrong latecomer tries to join it.
+WAITING_SCRIPT = textwrap.dedent("""\
+    import os, sys, time
+    print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} attempt 0", flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.1)
+""")
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "message"),
+    [
+        (["--node-rank", "1"], 2, "this node is refused: another node already joined this run as --node-rank 1"),
+        (
+            ["--node-rank", "1", "--devices", "2"], 1,
+            "this node is refused: node 0 runs --num-nodes 2 with 1 device(s) per node, this node --num-nodes 2 with 2",
+        ),
+        (
+            ["--node-rank", "1", "--num-nodes", "3"], 1,
+            "this node is refused: node 0 runs --num-nodes 2 with 1 device(s) per node, this node --num-nodes 3 with 1",
+        ),
+    ],
+    ids=["same-node-rank", "other-devices", "other-num-nodes"],
+)  # fmt: skip
+def test_a_latecomer_with_wrong_settings_is_refused_alone_and_the_run_goes_on(tmp_path, flags, code, message):
+    script, go = tmp_path / "script.py", tmp_path / "go"
+    script.write_text(WAITING_SCRIPT)
+    port = str(free_port())
+
+    def args(*own):
+        settings = {"--devices": "1", "--num-nodes": "2", **dict(zip(own[::2], own[1::2]))}
+        return [
+            "-m", "fabriclite.cli", "run", "--accelerator", "cpu", *(item for pair in settings.items() for item in pair),
+            "--main-address", "127.0.0.1", "--main-port", port, str(script), str(go),
+        ]  # fmt: skip
+
+    nodes = [start_python(*args("--node-rank", str(rank))) for rank in (0, 1)]
+    try:
+        before = read_until(nodes[1], "rank 1 of 2 attempt 0", timeout=TIMEOUT)  # node 1 joined: its rank is taken
+        latecomer = run_python(*args(*flags), check=False, timeout=TIMEOUT)
+        go.touch()
+        outputs = [output + node.communicate(timeout=TIMEOUT)[0] for output, node in zip(["", before], nodes)]
+    finally:
+        for node in nodes:
+            sigkill(node)
+    said = latecomer.stdout + latecomer.stderr
+    assert latecomer.returncode == code and message in said, said
+    assert "attempt" not in said  # it started no rank
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert all("refused" not in output for output in outputs), outputs
 
 
 def test_the_failure_named_is_the_first_a_signal_killed_else_the_first_reported():
@@ -105,6 +147,9 @@ def test_a_second_node_with_the_same_node_rank_is_refused():
         with pytest.raises(NodeGroupError, match="another node already joined this run as --node-rank 1") as error:
             duplicate.join()
         assert error.value.code == 2
+        duplicate.leave(2, str(error.value))  # as its supervisor does: this must not end the run for the others
+        nodes[0].check()
+        nodes[1].check()
     finally:
         for node in (duplicate, nodes[1], nodes[0]):
             node.leave(0)

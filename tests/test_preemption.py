@@ -9,7 +9,7 @@ import subprocess
 from helpers import SCRIPTS, fake_scontrol, read_until, sigkill, start_python, still_running
 
 from fabriclite.plugins.environments import free_port
-from fabriclite.preemption import PREEMPTED_EXIT_CODE
+from fabriclite.preemption import PREEMPTED_EXIT_CODE, requeue
 
 SCRIPT = str(SCRIPTS / "long_run.py")
 TIMEOUT = 300
@@ -118,3 +118,22 @@ def test_fabric_launch_ranks_preempted_through_the_first_process_save_at_one_ste
     assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], output[-3000:]
     assert child.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
     assert "exited with code" not in output, output[-3000:]
+
+
+def test_in_an_array_job_the_requeue_names_the_arrays_task_and_else_the_job(tmp_path, monkeypatch):
+    # SLURM itself cannot run here: `scontrol` is the stand-in from helpers, which records its arguments.
+    env, log = fake_scontrol(tmp_path / "bin")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    said = []
+    assert requeue(say=said.append)
+    monkeypatch.setenv("SLURM_JOB_ID", "4250")  # an array task has a job id of its own, too
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
+    assert requeue(say=said.append)
+    assert log.read_text() == "requeue 4242\nrequeue 4242_7\n"
+    assert (
+        said[-1] == "fabriclite: requeued SLURM job 4242_7; it resumes from its latest checkpoint when it starts again."
+    )
