@@ -394,7 +394,9 @@ class Fabric(LegacyAPI):
         plus the global random streams and the loss scaler, so ``load`` resumes bit-exactly.
         ``filter`` maps a key of ``state`` to ``fn(name, value) -> bool`` choosing which entries of its state_dict
         to keep. ``keep_last=K`` then removes the checkpoints named like ``path`` (other numbers) beyond the K newest
-        complete ones; ``asynchronous=True`` copies the state to CPU and writes it in the background.
+        complete ones; ``asynchronous=True`` writes in the background the state as it is at the call: parameters and
+        optimizer state are copied to CPU while the next step's forward and backward run, and until that step they
+        must change only through the optimizer (docs/long-runs.md).
         Usage: ``fabric.save(f"ckpts/step-{step}.ckpt", {"model": model, "step": step}, keep_last=3)``.
         """
         checkpoint.check_state(state, filter)

@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import SCRIPTS, assert_passed, run_python
 from torch import nn
 
 from fabriclite import Fabric
@@ -172,3 +173,22 @@ def test_a_value_that_cannot_be_copied_is_refused_at_the_call_naming_its_key(fab
         fabric.save(tmp_path / "step-1.ckpt", {"step": 1, "handle": threading.Lock()}, asynchronous=True)
     fabric.save(tmp_path / "step-2.ckpt", {"step": 2}, asynchronous=True)  # nothing left behind
     assert fabric.load_latest(tmp_path, {"step": 0}) == tmp_path / "step-2.ckpt"
+
+
+def test_on_two_ranks_the_asynchronous_checkpoint_is_the_synchronous_one_and_a_change_fails_on_every_rank(tmp_path):
+    """DDP over gloo: only rank 0 copies and writes, while both ranks go on training at once."""
+    result = run_python(str(SCRIPTS / "async_save_exact.py"), str(tmp_path), "ddp", timeout=240)
+    assert_passed(
+        result.stdout,
+        [
+            "asynchronous equals synchronous bit for bit",
+            "a change before the step fails the save on every rank",
+            "nothing written for the changed save",
+        ],
+    )
+
+
+def test_under_fsdp_with_full_checkpoints_the_asynchronous_checkpoint_is_the_synchronous_one(tmp_path):
+    """The sharded tensors are gathered at the call (a collective on both ranks), then copied in the background."""
+    result = run_python(str(SCRIPTS / "async_save_exact.py"), str(tmp_path), "fsdp", timeout=240)
+    assert_passed(result.stdout, ["asynchronous equals synchronous bit for bit"])

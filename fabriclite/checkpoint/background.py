@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import atexit
 import copy
+import os
+import queue
 import re
 import sys
 import threading
@@ -34,12 +36,12 @@ from fabriclite.checkpoint.errors import CheckpointError, first_line, save_failu
 
 class _Write:
     def __init__(self) -> None:
-        self.thread: threading.Thread | None = None
+        self.done: threading.Event | None = None  # rank 0's: set when the write has ended
         self.error: CheckpointError | None = None
         self.path: Path | None = None
 
 
-_pending: _Write | None = None  # set on every rank; only rank 0's has a thread
+_pending: _Write | None = None  # set on every rank; only rank 0's writes (has `done`)
 
 
 def check_strategy(strategy: Any) -> None:
@@ -62,7 +64,7 @@ def start(strategy: Any, path: Any, state: Any, checkpoint: dict[str, Any], save
     path = Path(path)
     io = strategy.checkpoint_io
     keep = strategy.is_global_zero
-    snapshot, copying = _snapshot(checkpoint, str(path), keep, _stepped_storages(state))
+    snapshot, copying = _snapshot(checkpoint, str(path), keep, _stepped(state))
     write = _Write()
     write.path = path
     _pending = write
@@ -86,15 +88,37 @@ def start(strategy: Any, path: Any, state: Any, checkpoint: dict[str, Any], save
                     path, "unwritable", f"Saving {str(path)!r} in the background was interrupted ({error!r})."
                 )
             )
+        finally:
+            write.done.set()
 
     if copying.watched:
         _copying = copying  # the loop's thread checks it, in check_copy
         copying.forwards = _check_at_forward(state)
     else:
         copying.checked.set()  # nothing the loop can change is copied later
-    write.thread = threading.Thread(target=run, name="fabriclite-async-save", daemon=False)
-    write.thread.start()
+    write.done = threading.Event()
+    _writer().put(run)
     _finish_at_exit()
+
+
+_jobs: queue.SimpleQueue | None = None  # what the writer thread runs, one save after the other
+_jobs_pid: int | None = None
+
+
+def _writer() -> queue.SimpleQueue:
+    # One thread writes every asynchronous save of the process, started at the first: starting a thread per save
+    # held the loop for milliseconds on a loaded machine. A daemon, since the script's end waits for its last
+    # write (_join_at_exit), not for the thread.
+    global _jobs, _jobs_pid
+    if _jobs is None or _jobs_pid != os.getpid():  # a forked child has no such thread
+        _jobs, _jobs_pid = queue.SimpleQueue(), os.getpid()
+        threading.Thread(target=_work, args=(_jobs,), name="fabriclite-async-save", daemon=True).start()
+    return _jobs
+
+
+def _work(jobs: queue.SimpleQueue) -> None:
+    while True:
+        jobs.get()()
 
 
 def _changed_message(path: Path, changed: list[str]) -> str:
@@ -111,8 +135,8 @@ _registered = False
 
 
 def _finish_at_exit() -> None:
-    # When the script ends, Python stops thread pools (the checksums are computed on one) before it joins threads
-    # like ours: finish the write first, and say if it failed, since no later save will.
+    # When the script ends, Python stops thread pools (the checksums are computed on one) and then daemon threads
+    # like the writer: finish the write first, and say if it failed, since no later save will.
     global _registered
     if _registered:
         return
@@ -123,10 +147,10 @@ def _finish_at_exit() -> None:
 
 def _join_at_exit() -> None:
     write = _pending
-    if write is None or write.thread is None:
+    if write is None or write.done is None:
         return
     check_copy()
-    write.thread.join()
+    write.done.wait()
     if write.error is not None:
         print(f"fabriclite: the last asynchronous checkpoint was not saved: {write.error}", file=sys.stderr, flush=True)
 
@@ -149,9 +173,9 @@ def settle(
     write, _pending = _pending, None
     outcome: tuple[str, Any] = ("ok", None)
     if strategy.is_global_zero:
-        if write is not None and write.thread is not None:
+        if write is not None and write.done is not None:
             check_copy()
-            write.thread.join()
+            write.done.wait()
         if write is not None and write.error is not None:
             outcome = ("failed", write.error)
         elif rank_zero_work is not None:
@@ -268,7 +292,7 @@ def _snapshot(checkpoint: dict[str, Any], path: str, keep: bool, stepped: frozen
         buffer = _buffer((path, key), tensor)
         if gathered:
             pairs.append((tensor, buffer))
-        elif _storage(tensor) in stepped:
+        elif _start(tensor) in stepped:
             pairs.append((tensor.detach(), buffer))
             watched.append((_name(key), tensor, tensor._version))
         else:
@@ -292,26 +316,25 @@ def _name(key: tuple) -> str:
     return "state" + "".join(f"[{part!r}]" for part in key)
 
 
-def _stepped_storages(state: Any) -> frozenset[int]:
-    # Where the tensors live (their storages' data_ptr) that only the step of an optimizer in `state` changes, for
-    # the optimizers whose step and load_state_dict call check_copy (those from fabric.setup): their parameters and
-    # their state.
+def _stepped(state: Any) -> frozenset[int]:
+    # Where the tensors start (data_ptr) that only the step of an optimizer in `state` changes, for the optimizers
+    # whose step and load_state_dict call check_copy (those from fabric.setup): their parameters and their state.
+    # A checkpoint's tensor found here is one of them or a view of one, which shares its version counter.
     tensors = []
     for optimizer in (value for value in state.values() if getattr(type(value), "checks_async_copy", False)):
         tensors += [parameter for group in optimizer.param_groups for parameter in group["params"]]
         tensors += [value for per_parameter in optimizer.state.values() for value in per_parameter.values()]
-    return frozenset(_storage(tensor) for tensor in tensors if isinstance(tensor, torch.Tensor)) - {None}
+    return frozenset(_start(tensor) for tensor in tensors if isinstance(tensor, torch.Tensor)) - {None}
 
 
-def _storage(tensor: torch.Tensor) -> int | None:
-    # None for what has no version counter to watch or no storage of its own: inference tensors, sparse, subclasses.
-    if (
-        tensor.layout is not torch.strided
-        or tensor.is_inference()
-        or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
-    ):
+def _start(tensor: torch.Tensor) -> int | None:
+    # None for what has no version counter to watch or no memory of its own: inference tensors, sparse, subclasses.
+    if tensor.layout is not torch.strided or tensor.is_inference() or type(tensor) not in _PLAIN:
         return None
-    return tensor.untyped_storage().data_ptr() or None  # 0: empty
+    return tensor.data_ptr() or None  # 0: empty
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 # The CPU copies of the last snapshot, by checkpoint name pattern and place in the state: the next save copies into
