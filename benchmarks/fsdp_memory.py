@@ -128,7 +128,9 @@ def main() -> None:
     print(f"ViT: 6 blocks of width 256, {total / 1e6:.2f} M parameters; AdamW; global batch {args.batch}")
     print("\n".join(describe()))
     print()
-    print("| variant | per rank: params + grads + AdamW state | ratio to DDP | peak RSS per rank | step time | samples/s |")
+    print(
+        "| variant | per rank: params + grads + AdamW state | ratio to DDP | peak RSS per rank | step time | samples/s |"
+    )
     print("|---|---|---|---|---|---|")
     ddp_bytes = max(r["params"] + r["grads"] + r["optimizer"] for r in rows["DDP, 2 processes"])
     for name, ranks in rows.items():

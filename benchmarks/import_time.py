@@ -90,16 +90,20 @@ def ratio_to_torch(results: dict[str, dict[str, list[float]]], name: str, key: s
 
 
 def table(results: dict[str, dict[str, list[float]]]) -> list[str]:
-    lines = ["| statement | wall ms (median) | wall ratio vs torch | CPU ms (median) | CPU ratio vs torch | "
-             "peak RSS MiB (median) | RSS vs torch MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| statement | wall ms (median) | wall ratio vs torch | CPU ms (median) | CPU ratio vs torch | "
+        "peak RSS MiB (median) | RSS vs torch MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, measured in results.items():
         statement = "python -c pass" if name == "python" else f"import {name}"
         extra_rss = statistics.median(r - t for r, t in zip(measured["rss"], results["torch"]["rss"]))
-        lines.append(f"| `{statement}` | {statistics.median(measured['wall']):.0f} | "
-                     f"{ratio_to_torch(results, name, 'wall'):.3f}x | {statistics.median(measured['cpu']):.0f} | "
-                     f"{ratio_to_torch(results, name, 'cpu'):.3f}x | {statistics.median(measured['rss']):.0f} | "
-                     f"{extra_rss:+.1f} |")
+        lines.append(
+            f"| `{statement}` | {statistics.median(measured['wall']):.0f} | "
+            f"{ratio_to_torch(results, name, 'wall'):.3f}x | {statistics.median(measured['cpu']):.0f} | "
+            f"{ratio_to_torch(results, name, 'cpu'):.3f}x | {statistics.median(measured['rss']):.0f} | "
+            f"{extra_rss:+.1f} |"
+        )
     return lines
 
 
@@ -118,8 +122,10 @@ def main() -> None:
     print()
     print("\n".join(table(results)))
     ratio = ratio_to_torch(results, "fabriclite", "wall")
-    print(f"\ngoal import fabriclite <= {GOAL}x import torch (wall): {'met' if ratio <= GOAL else 'MISSED'} "
-          f"({ratio:.3f}x; CPU time {ratio_to_torch(results, 'fabriclite', 'cpu'):.3f}x)")
+    print(
+        f"\ngoal import fabriclite <= {GOAL}x import torch (wall): {'met' if ratio <= GOAL else 'MISSED'} "
+        f"({ratio:.3f}x; CPU time {ratio_to_torch(results, 'fabriclite', 'cpu'):.3f}x)"
+    )
     print(f"heavy modules imported by `import fabriclite`: {python_output(HEAVY_CHECK)}")
     print(f"top-level packages `import fabriclite` adds to `import torch`: {python_output(ADDED_PACKAGES)}")
 

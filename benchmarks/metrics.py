@@ -45,11 +45,13 @@ def cases(package: Any) -> dict[str, tuple[Callable[[], Any], str]]:
     return {
         "multiclass accuracy": (lambda: package.Accuracy(task="multiclass", num_classes=NUM_CLASSES), "multiclass"),
         "multiclass macro F1": (
-            lambda: package.F1Score(task="multiclass", num_classes=NUM_CLASSES, average="macro"), "multiclass"
+            lambda: package.F1Score(task="multiclass", num_classes=NUM_CLASSES, average="macro"),
+            "multiclass",
         ),
         "binary AUROC, exact": (lambda: package.AUROC(task="binary"), "binary"),
         f"binary AUROC, binned ({THRESHOLDS} thresholds)": (
-            lambda: package.AUROC(task="binary", thresholds=THRESHOLDS), "binary"
+            lambda: package.AUROC(task="binary", thresholds=THRESHOLDS),
+            "binary",
         ),
     }
 
@@ -94,7 +96,9 @@ def throughput(samples: int, batch: int, rounds: int) -> list[str]:
         ours_s = statistics.median(times[("fabriclite", name)])
         if theirs:
             theirs_s = statistics.median(times[("torchmetrics", name)])
-            lines.append(f"| {name} | {samples / ours_s / 1e6:.1f} | {samples / theirs_s / 1e6:.1f} | {theirs_s / ours_s:.2f} |")
+            lines.append(
+                f"| {name} | {samples / ours_s / 1e6:.1f} | {samples / theirs_s / 1e6:.1f} | {theirs_s / ours_s:.2f} |"
+            )
         else:
             lines.append(f"| {name} | {samples / ours_s / 1e6:.1f} | not installed | - |")
     return lines
@@ -119,7 +123,11 @@ def memory_child(package: str, thresholds: int | None, samples: int, batch: int)
     state = 0
     for name in metric._defaults:
         value = getattr(metric, name)
-        state += sum(v.numel() * v.element_size() for v in value) if isinstance(value, list) else value.numel() * value.element_size()
+        state += (
+            sum(v.numel() * v.element_size() for v in value)
+            if isinstance(value, list)
+            else value.numel() * value.element_size()
+        )
     return {"state_bytes": state, "peak_growth_kib": peak - baseline}
 
 
@@ -127,7 +135,10 @@ def memory(batch: int) -> list[str]:
     def measure(package: str, thresholds: int | None, samples: int) -> dict[str, float]:
         out = subprocess.run(
             [sys.executable, __file__, "--memory-child", json.dumps([package, thresholds, samples, batch])],
-            capture_output=True, text=True, timeout=600, check=True,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
         )
         return json.loads(out.stdout.strip().splitlines()[-1])
 

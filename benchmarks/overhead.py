@@ -127,7 +127,10 @@ def accelerate(precision: str) -> tuple[DataLoader, Step]:
 
 
 VARIANTS: dict[str, Callable[[str], tuple[DataLoader, Step]]] = {
-    "raw": raw, "fabriclite": fabriclite, "lightning_fabric": lightning_fabric, "accelerate": accelerate,
+    "raw": raw,
+    "fabriclite": fabriclite,
+    "lightning_fabric": lightning_fabric,
+    "accelerate": accelerate,
 }
 
 
@@ -173,8 +176,17 @@ def measure(precision: str, rounds: int, steps: int) -> dict[str, list[float]]:
 
 
 def measure_in_child(precision: str, rounds: int, steps: int) -> dict[str, list[float]]:
-    command = [sys.executable, __file__, "--precision", precision, "--rounds", str(rounds), "--steps", str(steps),
-               "--json"]
+    command = [
+        sys.executable,
+        __file__,
+        "--precision",
+        precision,
+        "--rounds",
+        str(rounds),
+        "--steps",
+        str(steps),
+        "--json",
+    ]
     # The libraries' own chatter (banners, exit-time warnings) is shown only when the child fails.
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -187,24 +199,32 @@ def ratios_to_raw(timings: dict[str, list[float]], name: str) -> list[float]:
 
 
 def table(results: dict[str, dict[str, list[float]]]) -> list[str]:
-    lines = ["| variant | precision | CPU us/step (median) | ratio vs raw (median) | ratio p25-p75 | best-round ratio |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| variant | precision | CPU us/step (median) | ratio vs raw (median) | ratio p25-p75 | best-round ratio |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for precision, timings in results.items():
         for name, per_round in timings.items():
             ratios = ratios_to_raw(timings, name)
             low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-            lines.append(f"| {name} | {precision} | {statistics.median(per_round):.1f} | "
-                         f"{statistics.median(ratios):.3f}x | {low:.3f}-{high:.3f} | "
-                         f"{min(per_round) / min(timings['raw']):.3f}x |")
+            lines.append(
+                f"| {name} | {precision} | {statistics.median(per_round):.1f} | "
+                f"{statistics.median(ratios):.3f}x | {low:.3f}-{high:.3f} | "
+                f"{min(per_round) / min(timings['raw']):.3f}x |"
+            )
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=50, help="interleaved rounds (default: 50)")
-    parser.add_argument("--steps", type=int, default=BATCHES_PER_EPOCH,
-                        help=f"timed steps per variant per round; a multiple of {BATCHES_PER_EPOCH} (one epoch) "
-                             "gives every segment the same number of epoch starts (default: %(default)s)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=BATCHES_PER_EPOCH,
+        help=f"timed steps per variant per round; a multiple of {BATCHES_PER_EPOCH} (one epoch) "
+        "gives every segment the same number of epoch starts (default: %(default)s)",
+    )
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a child's answer to its parent
     args = parser.parse_args()
@@ -218,8 +238,10 @@ def main() -> None:
     else:
         results = {p: measure_in_child(p, args.rounds, args.steps) for p in args.precision}
 
-    print(f"Per-step time of a tiny loop ({args.rounds} interleaved rounds of {args.steps} steps, "
-          f"torch.set_num_threads(1), CPU):\n")
+    print(
+        f"Per-step time of a tiny loop ({args.rounds} interleaved rounds of {args.steps} steps, "
+        f"torch.set_num_threads(1), CPU):\n"
+    )
     print("\n".join(describe()))
     print()
     print("\n".join(table(results)))

@@ -20,7 +20,15 @@ def pytest_collection_modifyitems(config, items):
 
 # What a launcher writes into a process's environment. A test that runs a launch inside the pytest process would
 # leave them behind, and every later test's child processes would inherit a stale "you are rank 0 of 1".
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "FABRICLITE_LAUNCHER")
+LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "FABRICLITE_LAUNCHER",
+)
 
 
 @pytest.fixture(autouse=True)

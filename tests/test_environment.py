@@ -4,9 +4,24 @@ import pytest
 
 from fabriclite.plugins.environments import _first_slurm_host, detect_environment
 
-LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK",
-               "TORCHELASTIC_RUN_ID", "FABRICLITE_LAUNCHER", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
-               "SLURM_NODEID", "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_JOB_NAME"]
+LAUNCH_VARS = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "FABRICLITE_LAUNCHER",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NODELIST",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+]
 
 
 @pytest.fixture
@@ -21,8 +36,15 @@ def test_a_plain_process_has_no_launcher(clean_env):
 
 
 def test_srun_tasks_are_read_from_slurm_variables(clean_env):
-    for name, value in {"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
-                        "SLURM_NODELIST": "gpu[03-06],cpu1", "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "train"}.items():
+    for name, value in {
+        "SLURM_NTASKS": "8",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "2",
+        "SLURM_NODELIST": "gpu[03-06],cpu1",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_JOB_NAME": "train",
+    }.items():
         clean_env.setenv(name, value)
     env = detect_environment()
     assert (env.world_size, env.global_rank, env.local_rank, env.node_rank) == (8, 5, 1, 2)
@@ -36,7 +58,13 @@ def test_an_interactive_srun_shell_is_not_a_job(clean_env):
 
 
 def test_plain_variables_and_torchelastic_are_recognised(clean_env):
-    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}.items():
+    for name, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
         clean_env.setenv(name, value)
     env = detect_environment()
     assert (env.source, env.global_rank, env.main_address, env.main_port) == ("env", 1, "10.0.0.1", 29500)
@@ -45,13 +73,21 @@ def test_plain_variables_and_torchelastic_are_recognised(clean_env):
 
 
 def test_a_malformed_rank_is_named(clean_env):
-    for name, value in {"RANK": "one", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():
+    for name, value in {
+        "RANK": "one",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+    }.items():
         clean_env.setenv(name, value)
     with pytest.raises(ValueError, match="RANK='one'"):
         detect_environment()
 
 
-@pytest.mark.parametrize(("nodelist", "first"), [("node1", "node1"), ("n[7-9]", "n7"), ("a[01,05]", "a01"), ("x,y", "x")])
+@pytest.mark.parametrize(
+    ("nodelist", "first"), [("node1", "node1"), ("n[7-9]", "n7"), ("a[01,05]", "a01"), ("x,y", "x")]
+)
 def test_the_first_slurm_host_is_the_main_node(nodelist, first):
     assert _first_slurm_host(nodelist) == first
 
@@ -59,8 +95,15 @@ def test_the_first_slurm_host_is_the_main_node(nodelist, first):
 def test_each_launcher_has_its_lightning_class_reading_the_same_variables(clean_env):
     from fabriclite.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
 
-    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.2",
-                        "MASTER_PORT": "29501", "TORCHELASTIC_RUN_ID": "x"}.items():
+    for name, value in {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "10.0.0.2",
+        "MASTER_PORT": "29501",
+        "TORCHELASTIC_RUN_ID": "x",
+    }.items():
         clean_env.setenv(name, value)
     elastic = TorchElasticEnvironment()
     assert TorchElasticEnvironment.detect() and not SLURMEnvironment.detect()
@@ -96,11 +139,28 @@ def test_a_given_cluster_environment_decides_over_stale_variables(clean_env):
     port = str(free_port())
     children = []
     for rank in (0, 1):
-        env = python_env(SLURM_NTASKS="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
-                         SLURM_JOB_ID="7", SLURM_JOB_NAME="train", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                         RANK=str(1 - rank), WORLD_SIZE="2", LOCAL_RANK=str(1 - rank))
-        children.append(subprocess.Popen([sys.executable, str(SCRIPTS / "cluster_environment.py")], env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = python_env(
+            SLURM_NTASKS="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_JOB_ID="7",
+            SLURM_JOB_NAME="train",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RANK=str(1 - rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(1 - rank),
+        )
+        children.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "cluster_environment.py")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     output = ""
     try:
         for child in children:

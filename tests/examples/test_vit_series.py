@@ -175,7 +175,9 @@ def test_pick_devices_takes_the_gpus_there_are_and_says_so(monkeypatch, capsys):
     import torch
     from vit import series
 
-    assert series.pick_devices(None, wanted=2) == (2 if not torch.cuda.is_available() else min(2, torch.cuda.device_count()))
+    assert series.pick_devices(None, wanted=2) == (
+        2 if not torch.cuda.is_available() else min(2, torch.cuda.device_count())
+    )
     assert series.pick_devices(3, wanted=2) == 3  # --devices given: taken as it is (Fabric says if it cannot)
     # A one-GPU machine cannot be had here: its CUDA answers are faked.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

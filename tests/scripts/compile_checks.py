@@ -64,16 +64,20 @@ def check(name, condition):
 check("every block is compiled", all(block._compiled_call_impl is not None for block in compiled_net.blocks))
 check("the root stays eager", compiled_net._compiled_call_impl is None)
 if strategy == "fsdp":
-    check("regional=False compiles every block and the root", all(
-        module._compiled_call_impl is not None for module in [*whole_net.blocks, whole_net]
-    ))
+    check(
+        "regional=False compiles every block and the root",
+        all(module._compiled_call_impl is not None for module in [*whole_net.blocks, whole_net]),
+    )
 else:
-    check("regional=False compiles around DDP", [r["compiled"] for r in fabric.compile_report()] == ["regional", "whole"])
+    check(
+        "regional=False compiles around DDP", [r["compiled"] for r in fabric.compile_report()] == ["regional", "whole"]
+    )
 # Compiled whole around DDP, Dynamo breaks the graph in DDP's own forward (3 breaks on torch 2.13, gloo): the
 # regional form has none.
 reports = fabric.compile_report() if strategy == "fsdp" else fabric.compile_report()[:1]
 check("no graph breaks", all(report["graph_breaks"] == 0 for report in reports))
-check("compiled training equals eager", all(
-    torch.allclose(a, b, atol=1e-6) and torch.allclose(a, c, atol=1e-6) for a, b, c in zip(plain, compiled, whole)
-))
+check(
+    "compiled training equals eager",
+    all(torch.allclose(a, b, atol=1e-6) and torch.allclose(a, c, atol=1e-6) for a, b, c in zip(plain, compiled, whole)),
+)
 del plain_net, compiled_net, whole_net  # free the sharded models before exit (gloo may abort at exit otherwise)

@@ -54,7 +54,10 @@ check(
 check("broadcast", fabric.broadcast({"from": rank}) == {"from": 0})
 mesh = init_device_mesh("cpu", (2,))  # a DTensor of the user's own under DDP: collectives see its full value
 sharded = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
-check("all_reduce of a DTensor reduces its full value", torch.equal(fabric.all_reduce(sharded, reduce_op="sum"), 2 * torch.arange(4.0)))
+check(
+    "all_reduce of a DTensor reduces its full value",
+    torch.equal(fabric.all_reduce(sharded, reduce_op="sum"), 2 * torch.arange(4.0)),
+)
 fabric.barrier()
 
 # Data: each rank gets its own shard, reshuffled every epoch, padded to equal length.

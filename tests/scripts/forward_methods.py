@@ -45,8 +45,6 @@ model = fabric.setup(Net())
 batch = torch.full((1, 4), float(rank + 1))
 
 
-
-
 def weight_grad():
     grad = model.module.layer.weight.grad
     grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad

@@ -66,14 +66,20 @@ def main():
     # Collectives given DTensors work on their full value: the same results as the plain tensors under DDP.
     reduced = fabric.all_reduce(sum(p.sum() for p in model.parameters()), reduce_op="sum")
     expected = 2 * sum(p.sum() for p in reference.parameters())
-    check("all_reduce of a DTensor reduces its full value", type(reduced) is torch.Tensor and torch.allclose(reduced, expected, atol=1e-4))
+    check(
+        "all_reduce of a DTensor reduces its full value",
+        type(reduced) is torch.Tensor and torch.allclose(reduced, expected, atol=1e-4),
+    )
     gathered = fabric.all_gather(model.module.head.weight)
     check(
         "all_gather of a DTensor gathers its full value",
         type(gathered) is torch.Tensor and torch.equal(gathered, torch.stack([reference.head.weight.detach()] * 2)),
     )
     sent = fabric.broadcast({"weight": model.module.head.weight}, src=1)["weight"]
-    check("broadcast of a DTensor sends its full value", type(sent) is torch.Tensor and torch.equal(sent, reference.head.weight))
+    check(
+        "broadcast of a DTensor sends its full value",
+        type(sent) is torch.Tensor and torch.equal(sent, reference.head.weight),
+    )
     check(
         "the repeated blocks are the sharding units",
         all(isinstance(b, FSDPModule) for b in model.module.blocks)

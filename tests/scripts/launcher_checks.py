@@ -14,8 +14,6 @@ from fabriclite.plugins.environments import detect_environment
 LAYOUT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-
-
 def work(tag, scale=1):
     """Runs in every process the launcher is responsible for, once the process exists."""
     env = detect_environment()

@@ -38,8 +38,6 @@ class LitNet(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-
-
 folder = tempfile.mkdtemp()
 fabric = Fabric(accelerator="cpu", loggers=CSVLogger(folder))
 net = LitNet()

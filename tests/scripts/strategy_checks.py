@@ -15,8 +15,6 @@ from fabriclite.accelerators import CPUAccelerator
 from fabriclite.strategies import DDPStrategy, FSDPStrategy
 
 
-
-
 def run(strategy, folder):
     strategy.setup_environment()
     rank = strategy.global_rank
@@ -42,8 +40,12 @@ def run(strategy, folder):
     strategy.module_to_device(model)
     model = strategy.setup_module(model)
     model(torch.full((2, 4), float(rank + 1))).sum().backward()
-    grads = torch.cat([p.grad.full_tensor().flatten() if hasattr(p.grad, "full_tensor") else p.grad.flatten()
-                       for p in model.parameters()])
+    grads = torch.cat(
+        [
+            p.grad.full_tensor().flatten() if hasattr(p.grad, "full_tensor") else p.grad.flatten()
+            for p in model.parameters()
+        ]
+    )
     gathered = strategy.all_gather(grads)
     report(rank, "gradients are averaged across ranks", torch.allclose(gathered[0], gathered[1]))
 
