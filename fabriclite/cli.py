@@ -35,8 +35,10 @@ RUN_SETTINGS: dict[str, str] = {
     "(default: Fabric's own, 32-true).",
     "max_restarts": "How often every process is started again after one died, before giving up (default: 0). The "
     "script resumes with fabric.load_latest(folder, state).",
+    "node_timeout": "Seconds a node's `fabriclite run` may stay silent before the other nodes take it for lost and "
+    "stop the run (default: 60; only with --num-nodes > 1).",
 }
-_INT_SETTINGS = ("num_nodes", "node_rank", "main_port", "max_restarts")
+_INT_SETTINGS = ("num_nodes", "node_rank", "main_port", "max_restarts", "node_timeout")
 _STR_SETTINGS = ("accelerator", "strategy", "main_address")
 _DEFAULT_MULTI_NODE_PORT = 29500
 
@@ -51,7 +53,8 @@ Options go before the script; everything after the script is passed to it unchan
 `fabriclite run` starts and watches the processes of its machine itself; across machines, the `fabriclite run` of
 every node keeps in step with node 0's. When one process fails, every process on every node is stopped and, with
 --max-restarts N, all start again (up to N times); then every `fabriclite run` exits with the failed process's exit
-code (128 + N when it died of signal N). A node whose `fabriclite run` stops answering for 60 s ends the run.
+code (128 + N when it died of signal N). A node whose `fabriclite run` stops answering for 60 s (--node-timeout)
+ends the run.
 SIGTERM or SIGUSR1 (a preemption notice) reaches every process and sets fabric.preempted; once they saved and
 exited, `fabriclite run` exits with 75 ("preempted, resumable"), or requeues the SLURM job where allowed.
 
@@ -150,6 +153,8 @@ def check_setting(key: str, value: Any) -> Any:
         raise ValueError(f"main_port={value} is not a TCP port: expected 1 .. 65535.")
     if key in ("node_rank", "max_restarts") and value < 0:
         raise ValueError(f"{key}={value} must be 0 or more.")
+    if key == "node_timeout" and value < 1:
+        raise ValueError(f"node_timeout={value} must be 1 second or more.")
     return value
 
 
@@ -243,7 +248,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
         del os.environ[name]  # a run inside a run must not inherit the outer run's settings
     os.environ.update(fabric_environment(settings))
-    from fabriclite.nodes import NodeGroup
+    from fabriclite.nodes import NODE_TIMEOUT_S, NodeGroup
     from fabriclite.supervisor import Supervisor
 
     command = [sys.executable, args.script, *args.script_args]
@@ -251,7 +256,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     nodes = None
     if settings.get("num_nodes", 1) > 1:  # one supervisor per node; node 0's hosts their store on the main port
         nodes = NodeGroup(
-            settings["num_nodes"], settings.get("node_rank", 0), address, port or _DEFAULT_MULTI_NODE_PORT, processes
+            settings["num_nodes"],
+            settings.get("node_rank", 0),
+            address,
+            port or _DEFAULT_MULTI_NODE_PORT,
+            processes,
+            timeout=settings.get("node_timeout", NODE_TIMEOUT_S),
         )
         port = None
     return Supervisor(

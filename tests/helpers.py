@@ -154,3 +154,43 @@ def fake_scontrol(folder: Path, allowed: bool = True) -> tuple[dict[str, str], P
     (folder / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n{answer}\n')
     (folder / "scontrol").chmod(0o755)
     return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}, log
+
+
+# ------------------------------------------------------------- long runs: what the one-machine and two-node tests share
+LONG_RUN_SCRIPT = str(SCRIPTS / "long_run.py")
+LONG_RUN_TIMEOUT = 300
+
+
+def assert_same_weights(expected: dict, path: Path) -> None:
+    """The weights saved at ``path`` equal ``expected`` bit for bit (an uninterrupted run's)."""
+    import torch  # only the tests that compare weights need it
+
+    actual = torch.load(path)
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), f"{key} differs from the uninterrupted run"
+
+
+def pids(output: str) -> dict[int, int]:
+    """Rank -> PID from long_run.py's "pid RANK PID" lines."""
+    return {int(rank): int(pid) for rank, pid in re.findall(r"pid (\d) (\d+)", output)}
+
+
+def finish(child: subprocess.Popen, timeout: float = LONG_RUN_TIMEOUT) -> str:
+    """The rest of a ``start_python`` child's output once it has ended; fails the test after ``timeout`` s."""
+    try:
+        output, _ = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        sigkill(child)
+        raise AssertionError(f"the run did not end within {timeout} s") from None
+    return output
+
+
+def kill_rank(rank: int):
+    """An action for a running launcher: SIGKILL rank ``rank`` (``ranks``: rank -> PID)."""
+    return lambda child, ranks: os.kill(ranks[rank], signal.SIGKILL)
+
+
+def send(signum: int):
+    """An action for a running launcher: send it ``signum``."""
+    return lambda child, ranks: child.send_signal(signum)

@@ -130,6 +130,7 @@ def test_a_config_value_of_the_wrong_type_is_refused(tmp_path, script, capsys, c
         (["--num-nodes", "2", "--node-rank", "2", "--main-address", "h"], "node_rank=2 must be below num_nodes=2"),
         (["--main-port", "70000"], "main_port=70000 is not a TCP port"),
         (["--max-restarts", "-1"], "max_restarts=-1 must be 0 or more"),
+        (["--node-timeout", "0"], "node_timeout=0 must be 1 second or more"),
         (["--num-nodes", "two"], "invalid int value: 'two'"),
         (["--config", "missing.yaml"], "cannot read it"),
     ],

@@ -1,23 +1,37 @@
 """Long runs on shared machines: `fabriclite run --max-restarts` restarts the whole group when a rank dies, a
 preemption notice (SIGTERM, SIGUSR1) makes every rank save at the same step and the run exit "preempted,
-resumable" (or requeue the SLURM job), and the resumed run ends bit-identical to one never interrupted."""
+resumable" (or requeue the SLURM job), and the resumed run ends bit-identical to one never interrupted. On one
+machine; the same across two nodes is in test_long_runs_nodes.py."""
 
 import atexit
 import os
 import re
 import signal
-import subprocess
 import textwrap
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS, fake_scontrol, read_until, run_python, sigkill, start_python, still_running
+from helpers import (
+    LONG_RUN_SCRIPT,
+    LONG_RUN_TIMEOUT,
+    ROOT,
+    assert_same_weights,
+    fake_scontrol,
+    finish,
+    kill_rank,
+    pids,
+    read_until,
+    run_python,
+    send,
+    sigkill,
+    start_python,
+    still_running,
+)
 
-from fabriclite.plugins.environments import free_port
 from fabriclite.preemption import PREEMPTED_EXIT_CODE
 
-SCRIPT = str(SCRIPTS / "long_run.py")
-TIMEOUT = 300
+SCRIPT = LONG_RUN_SCRIPT
+TIMEOUT = LONG_RUN_TIMEOUT
 
 
 def run_args(folder, out, *flags, strategy="ddp", restarts=0):
@@ -33,26 +47,6 @@ def reference(tmp_path, strategy="ddp"):
     return torch.load(tmp_path / "ref.pt")
 
 
-def assert_same_weights(expected, path):
-    actual = torch.load(path)
-    assert expected.keys() == actual.keys()
-    for key in expected:
-        assert torch.equal(expected[key], actual[key]), f"{key} differs from the uninterrupted run"
-
-
-def pids(output):
-    return {int(rank): int(pid) for rank, pid in re.findall(r"pid (\d) (\d+)", output)}
-
-
-def finish(child):
-    try:
-        output, _ = child.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        sigkill(child)
-        raise AssertionError(f"the run did not end within {TIMEOUT} s") from None
-    return output
-
-
 def interrupted(args, at, act, **env):
     """Start ``python *args``, wait for the output line ``at``, call ``act(child, ranks)`` (``ranks``: rank -> PID
     from the "pid" lines so far), and wait for the run to end; return (its exit code, its output, ``ranks``)."""
@@ -65,14 +59,6 @@ def interrupted(args, at, act, **env):
     finally:
         sigkill(child)
     return child.returncode, output, ranks
-
-
-def kill_rank(rank):
-    return lambda child, ranks: os.kill(ranks[rank], signal.SIGKILL)
-
-
-def send(signum):
-    return lambda child, ranks: child.send_signal(signum)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -196,131 +182,6 @@ def test_ranks_that_do_not_exit_by_the_deadline_after_a_notice_are_killed():
     code, output, _ = interrupted(["-c", supervise], "ready", send(signal.SIGTERM))
     assert code == 128 + signal.SIGTERM, output
     assert "the ranks did not exit within 3 s of the preemption notice; killing them." in output
-
-
-# ---------------------------------------------------------------- across nodes: two `fabriclite run` on loopback
-def node_args(node, port, folder, out, *flags, restarts=0, strategy="ddp"):
-    """One node's `fabriclite run` of a two-node run with one process per node; node 0 hosts the store on ``port``."""
-    return [
-        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "1", "--strategy", strategy,
-        "--num-nodes", "2", "--node-rank", str(node), "--main-address", "127.0.0.1", "--main-port", str(port),
-        "--max-restarts", str(restarts), SCRIPT, str(folder), "--out", str(out), *flags,
-    ]  # fmt: skip
-
-
-def two_nodes(tmp_path, name, *flags, restarts=0, at=None, act=None, strategy="ddp", port=None):
-    """Run both nodes (checkpoints in the folder ``name``, weights in ``name``.pt; node 0's store on ``port``, else
-    a free one); with ``at``, wait for node 0's output line ``at`` and call ``act(supervisors, ranks)`` (``ranks``:
-    global rank -> PID). Return both exit codes, both outputs and ``ranks``."""
-    port = port or free_port()
-    folder, out = tmp_path / name, tmp_path / f"{name}.pt"
-    args = [node_args(node, port, folder, out, *flags, restarts=restarts, strategy=strategy) for node in (0, 1)]
-    nodes = [start_python(*args[node]) for node in (0, 1)]
-    try:
-        before, ranks = ["", ""], {}
-        if at is not None:
-            before[1] = read_until(nodes[1], "pid 1 ", timeout=TIMEOUT)
-            before[0] = read_until(nodes[0], at, timeout=TIMEOUT)
-            ranks = {**pids(before[0]), **pids(before[1])}
-            act(nodes, ranks)
-        outputs = [before[node] + finish(nodes[node]) for node in (0, 1)]
-    finally:
-        for node in nodes:
-            sigkill(node)
-    return [node.returncode for node in nodes], outputs, ranks
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_across_nodes_a_rank_sigkilled_mid_run_restarts_every_node_and_ends_bit_identical(tmp_path, strategy):
-    codes, outputs, _ = two_nodes(tmp_path, "ref", strategy=strategy)
-    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    expected = torch.load(tmp_path / "ref.pt")
-    kill = {"restarts": 1, "at": "step 33\n", "act": kill_rank(1)}
-    codes, outputs, _ = two_nodes(tmp_path, "run", "--sleep", "0.05", strategy=strategy, **kill)
-    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    line = "fabriclite: rank 1 on node 1 was killed by SIGKILL; stopping every rank and starting them again (restart 1 of 1)."
-    assert all(output.count(line) == 1 for output in outputs), outputs
-    resumed = re.findall(r"resumed from step-(\d+)\.ckpt at step (\d+)", outputs[0])
-    assert len(resumed) == 1 and int(resumed[0][1]) >= 20, outputs[0][-3000:]
-    assert_same_weights(expected, tmp_path / "run.pt")
-
-
-def test_across_nodes_more_failures_than_restarts_end_every_node_with_the_failure_naming_the_rank(tmp_path):
-    codes, outputs, ranks = two_nodes(tmp_path, "run", "--sleep", "0.2", at="step 3\n", act=kill_rank(1))
-    assert codes == [128 + signal.SIGKILL] * 2, outputs
-    assert all("fabriclite: rank 1 on node 1 was killed by SIGKILL; stopping every rank." in out for out in outputs)
-    assert sorted(ranks) == [0, 1] and still_running(list(ranks.values()), within=30) == []
-
-
-@pytest.mark.parametrize(
-    ("killed", "message"),
-    [
-        (1, "node 1's supervisor stopped answering (no heartbeat for 60 s)"),
-        (0, "lost the connection to node 0's supervisor at 127.0.0.1:"),
-    ],
-    ids=["node-1", "node-0-with-the-store"],
-)
-def test_across_nodes_a_sigkilled_node_supervisor_stops_the_other_node_and_leaves_no_rank(tmp_path, killed, message):
-    def kill_node(nodes, ranks):
-        nodes[killed].send_signal(signal.SIGKILL)
-
-    codes, outputs, ranks = two_nodes(tmp_path, "run", "--sleep", "0.2", restarts=1, at="step 3\n", act=kill_node)
-    other = 1 - killed
-    assert codes[other] == 1, outputs[other][-3000:]
-    assert message in outputs[other], outputs[other][-3000:]
-    assert f"stopping every rank of node {other}." in outputs[other] and "restart 1 of 1" not in outputs[other]
-    assert sorted(ranks) == [0, 1] and still_running(list(ranks.values()), within=30) == []
-
-
-@pytest.mark.parametrize("signalled", [[0], [0, 1]], ids=["node-0-only", "every-node"])
-def test_across_nodes_a_preemption_notice_ends_every_node_preempted(tmp_path, signalled):
-    def notice(nodes, ranks):  # a spot instance's notice reaches one machine; SLURM's, every node
-        for node in signalled:
-            nodes[node].send_signal(signal.SIGTERM)
-
-    codes, outputs, _ = two_nodes(tmp_path, "run", "--sleep", "0.05", restarts=1, at="step 20\n", act=notice)
-    assert codes == [PREEMPTED_EXIT_CODE] * 2, outputs
-    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", outputs[0] + outputs[1]))
-    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], outputs
-    assert all(f"Exit code {PREEMPTED_EXIT_CODE}: run it again to resume" in output for output in outputs)
-    assert all("restart" not in output for output in outputs)
-
-
-def test_across_nodes_a_preempted_run_saves_at_one_step_and_the_same_commands_resume_it_bit_identical(tmp_path):
-    def notice(nodes, ranks):  # to node 0's supervisor alone, as a spot instance's
-        nodes[0].send_signal(signal.SIGTERM)
-
-    codes, outputs, _ = two_nodes(tmp_path, "ref")
-    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    expected = torch.load(tmp_path / "ref.pt")
-
-    port = free_port()
-    flags = ("--sleep", "0.05")
-    codes, outputs, _ = two_nodes(tmp_path, "run", *flags, port=port, at="step 20\n", act=notice)
-    assert codes == [PREEMPTED_EXIT_CODE] * 2, outputs[0][-3000:] + outputs[1][-3000:]
-    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", outputs[0] + outputs[1]))
-    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], outputs
-    assert not (tmp_path / "run.pt").exists()  # it stopped before the end
-
-    # A requeued job runs the same two commands again: load_latest at the script's top resumes both ranks.
-    codes, outputs, _ = two_nodes(tmp_path, "run", *flags, port=port)
-    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    line = f"resumed from step-{int(saved['0']):04d}.ckpt at step {saved['0']}"  # said by rank 0, on node 0
-    assert line in outputs[0] and "fresh start" not in outputs[0], outputs[0][-3000:]
-    assert_same_weights(expected, tmp_path / "run.pt")
-
-
-def test_across_nodes_a_node_that_ends_the_run_alone_ends_the_others_with_its_code(tmp_path):
-    def twice(nodes, ranks):
-        nodes[0].send_signal(signal.SIGTERM)  # every rank now sleeps 30 s before it can save
-        read_until(nodes[0], "received SIGTERM", timeout=60)
-        nodes[0].send_signal(signal.SIGTERM)
-
-    codes, outputs, ranks = two_nodes(tmp_path, "run", "--sleep", "30", at="step 1\n", act=twice)
-    assert codes == [128 + signal.SIGTERM] * 2, outputs
-    assert "SIGTERM received again; killing every rank." in outputs[0], outputs
-    assert "node 0 ended the run with exit code 143 (received SIGTERM twice)" in outputs[1], outputs[1][-3000:]
-    assert still_running(list(ranks.values()), within=30) == []
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Supervisors of one run on several machines kept in step (fabriclite/nodes.py), run for real as two
 `fabriclite run` on loopback with a script that needs no training: a node whose ranks finished still restarts them
 when another node's rank dies, and a node started with settings other than node 0's is refused on its own. The training runs (restarts
-ending bit-identical, a lost node, preemption) are in test_long_runs.py."""
+ending bit-identical, a lost node, preemption) are in test_long_runs_nodes.py."""
 
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
