@@ -201,6 +201,8 @@ class SubprocessLauncher:
         self.children: list[subprocess.Popen] = []
         self._started = False
         self._killing = False  # set once this process stops the children itself: their deaths are then expected
+        # The watching thread and an error on the main thread may both see a child die: one of them reports it.
+        self._deciding = threading.Lock()
         self._reported: set[int] = set()
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -245,9 +247,10 @@ class SubprocessLauncher:
             for child in self.children:
                 code = child.poll()
                 if code not in (None, *_ENDED):
-                    if self._killing:
-                        return  # this process is already stopping them (after its own error)
-                    self._report(child, code, "stopping the other processes")
+                    with self._deciding:
+                        if self._killing:
+                            return  # this process is already stopping them (after its own error)
+                        self._report(child, code, "stopping the other processes")
                     self.kill_children()
                     os._exit(_exit_code(code))
             if all(child.poll() in _ENDED for child in self.children):
@@ -265,12 +268,13 @@ class SubprocessLauncher:
             time.sleep(0.02)
 
     def kill_children(self) -> None:
-        if not self._killing:
-            for child in self.children:  # name those that failed on their own, before this process stops the rest
-                code = child.poll()
-                if code not in (None, *_ENDED):
-                    self._report(child, code, "stopping the other processes")
-        self._killing = True
+        with self._deciding:
+            if not self._killing:
+                for child in self.children:  # name those that failed on their own, before this process stops the rest
+                    code = child.poll()
+                    if code not in (None, *_ENDED):
+                        self._report(child, code, "stopping the other processes")
+            self._killing = True
         for child in self.children:
             if child.poll() is None:
                 child.kill()
