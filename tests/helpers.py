@@ -13,6 +13,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+# What launchers (torchrun, SLURM, ours) set to tell a process its rank: a test of a plain process clears them.
+LAUNCH_VARS = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "FABRICLITE_LAUNCHER",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NODELIST",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+]
 
 
 def passed(output: str) -> set[tuple[str, str]]:

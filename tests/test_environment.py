@@ -1,27 +1,9 @@
 """Which launcher started this process, read from the environment."""
 
 import pytest
+from helpers import LAUNCH_VARS
 
 from fabriclite.plugins.environments import _first_slurm_host, detect_environment
-
-LAUNCH_VARS = [
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "TORCHELASTIC_RUN_ID",
-    "FABRICLITE_LAUNCHER",
-    "SLURM_NTASKS",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_NODELIST",
-    "SLURM_JOB_ID",
-    "SLURM_JOB_NAME",
-]
 
 
 @pytest.fixture

@@ -15,20 +15,7 @@ from fabriclite.checkpoint import TorchCheckpointIO
 from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from fabriclite.plugins import MixedPrecision, Precision
 from fabriclite.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy, select_strategy
-from helpers import SCRIPTS, assert_passed, run_python
-
-LAUNCH_VARS = [
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "TORCHELASTIC_RUN_ID",
-    "FABRICLITE_LAUNCHER",
-    "SLURM_NTASKS",
-]
+from helpers import LAUNCH_VARS, SCRIPTS, assert_passed, run_python
 
 
 @pytest.fixture
