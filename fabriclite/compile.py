@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from fabriclite._blocks import repeated_blocks
+from fabriclite.utilities.imports import default_compile_backend
 
 # After this many forward calls the watch stops: recompiling still then means shapes change every step.
 _WATCHED_CALLS = 8
@@ -103,9 +104,7 @@ class _CountingBackend:
     def __init__(self, options: dict[str, Any]) -> None:
         backend = options.pop("backend", None)
         if backend is None:
-            from torch._dynamo.backends.registry import get_default_backend
-
-            backend = get_default_backend()
+            backend = default_compile_backend()
         mode, inductor_options = options.pop("mode", None), options.pop("options", None)
         if inductor_options is not None:
             inductor_options = dict(inductor_options)
