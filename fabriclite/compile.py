@@ -6,8 +6,18 @@ What gets compiled (``compile_model``): by default each repeated block of the mo
 code object, so Dynamo compiles the first and reuses its graph for the siblings: a 12-block model compiles about
 as fast as one block. A model without repeated blocks, or ``compile={"regional": False}``, is compiled whole.
 Unless ``dynamic`` is given, the batch dimension of each compiled call's tensor inputs is marked dynamic, so a
-last partial batch or a new evaluation batch size runs the graph already compiled; switching between train and
-eval compiles once per mode.
+last partial batch or a new evaluation batch size runs the graph already compiled.
+
+Evaluation compiles nothing more: the blocks are compiled for the way the model first runs. A model whose first
+call trains (train mode, gradients on) runs its blocks eagerly whenever it does not train (``model.eval()``,
+``torch.no_grad()``), as the uncompiled model would (dropout off in eval mode): switching to evaluation and back
+compiles no second graph, at the price of an uncompiled evaluation. A model whose first call does not train (an
+inference-only model, or an evaluation before training) compiles what it runs, once per mode.
+
+Waiting less on a CPU: Inductor checks in every process which vector instruction sets the C++ compiler can build
+and load (six child processes that each load libtorch: about a second of CPU here). ``compile_model`` runs that
+check once per machine, torch and compiler, keeps the result in Inductor's cache folder, and tells Inductor the
+result (``cpp.vec_isa_ok``) in every process from the first on, so that the cached graphs keep matching.
 
 The report counts what the compiler did for one model: each model is compiled through its own ``_CountingBackend``,
 the backend ``torch.compile`` would build from the same arguments, which counts the graphs Dynamo hands it and the
@@ -18,14 +28,22 @@ Dynamo compiles. It is a diagnosis, not a gate.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import os
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from fabriclite._blocks import repeated_blocks
-from fabriclite.utilities.imports import default_compile_backend
+from fabriclite.utilities.imports import (
+    default_compile_backend,
+    inductor_cache_dir,
+    inductor_vec_isa_all_pass,
+    inductor_vec_isa_fingerprint,
+)
 
 # After this many forward calls the watch stops: recompiling still then means shapes change every step.
 _WATCHED_CALLS = 8
@@ -78,7 +96,7 @@ def compile_model(
     """
     options = dict(options)
     regional = options.pop("regional", True)
-    backend = _CountingBackend(options)  # takes backend, mode and options out of ``options``
+    backend = _CountingBackend(options, strategy.root_device)  # takes backend, mode and options out of ``options``
     options["backend"] = backend
     blocks = _regions(original) if regional else []
     if not blocks:
@@ -86,8 +104,9 @@ def compile_model(
         return strategy.compile_module(forward_module, options), watch
     mark_batch = options.get("dynamic") is None
     names = {id(module): name for name, module in original.named_modules()}
+    first_call = _FirstCall()
     for block in blocks:
-        _compile_in_place(block, options, mark_batch)
+        _compile_in_place(block, options, mark_batch, first_call)
     return forward_module, CompileWatch(type(original).__name__, backend, [names[id(block)] for block in blocks])
 
 
@@ -101,7 +120,7 @@ class _CountingBackend:
     they were compiled.
     """
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], device: torch.device) -> None:
         backend = options.pop("backend", None)
         if backend is None:
             backend = default_compile_backend()
@@ -116,6 +135,8 @@ class _CountingBackend:
             use_aoti = False
             if mode is None:
                 mode = "default"
+        if backend == "inductor" and device.type == "cpu" and "cpp.vec_isa_ok" not in (inductor_options or {}):
+            inductor_options = {**(inductor_options or {}), **_vec_isa_option()}
         dynamic, name = options.get("dynamic"), options.get("name")
         if backend == "inductor":
             wrapper = torch._TorchCompileAOTInductorWrapper if use_aoti else torch._TorchCompileInductorWrapper
@@ -153,25 +174,67 @@ class _CountingBackend:
         return getattr(self.inner, name)
 
 
+def _vec_isa_option() -> dict[str, bool]:
+    """``{"cpp.vec_isa_ok": True}`` where Inductor's check of the CPU's vector instruction sets passed on this
+    machine, torch and compiler, else ``{}`` (Inductor checks in each process, as without fabriclite).
+
+    The check runs here, in setup, the first time (what the first compile would have spent on it), and its result
+    is kept in Inductor's cache folder, so later processes skip it. The option is part of the key of every cached
+    graph, so it is given from the first process on, never only once the result is known.
+    """
+    fingerprint = inductor_vec_isa_fingerprint()
+    if fingerprint is None:  # the user set cpp.vec_isa_ok (TORCHINDUCTOR_VEC_ISA_OK): the user decides
+        return {}
+    name = "vec-isa-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:24]
+    record = Path(inductor_cache_dir(), "fabriclite", name)
+    try:
+        passed = record.read_text() == "pass"
+    except OSError:
+        passed = inductor_vec_isa_all_pass()
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            partial = record.with_name(f"{record.name}.{os.getpid()}")
+            partial.write_text("pass" if passed else "fail")
+            os.replace(partial, record)  # whole or absent, for the other processes of a launch
+        except OSError:  # a cache folder we cannot write to: the next process checks again
+            pass
+    return {"cpp.vec_isa_ok": True} if passed else {}
+
+
 def _regions(module: torch.nn.Module) -> list[torch.nn.Module]:
     # A repeated single layer (the Linears of an nn.Sequential MLP) is not worth a region: the rest would run eager.
     return [block for block in repeated_blocks(module) if next(block.children(), None) is not None]
 
 
-def _compile_in_place(block: torch.nn.Module, options: dict[str, Any], mark_batch: bool) -> None:
+class _FirstCall:
+    """Whether a model's first compiled call trained (train mode, gradients on); None before it. Shared by the
+    model's blocks: the first block's call decides for all of them."""
+
+    trains: bool | None = None
+
+
+def _compile_in_place(
+    block: torch.nn.Module, options: dict[str, Any], mark_batch: bool, first_call: _FirstCall
+) -> None:
     # What nn.Module.compile does (the module stays the same object: state_dict keys, hooks and FSDP units keep
     # working), plus marking the batch dimension dynamic before each call, outside the traced code (Dynamo
     # refuses mark_dynamic inside it). A batch of 1 still compiles once more: Dynamo specializes sizes 0 and 1.
+    # A model that trained first runs eagerly when it does not train: evaluation would otherwise compile a second
+    # graph (Dynamo guards on the grad mode and on ``training``), for a loop that runs far less often.
     compiled = torch.compile(block._call_impl, **options)
-    if not mark_batch:
-        block._compiled_call_impl = compiled
-        return
+    eager = block._call_impl
     mark = torch._dynamo.maybe_mark_dynamic
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and arg.dim() > 0:
-                mark(arg, 0)
+        trains = block.training and torch.is_grad_enabled()
+        if first_call.trains is None:
+            first_call.trains = trains
+        elif first_call.trains and not trains:
+            return eager(*args, **kwargs)
+        if mark_batch:
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+                    mark(arg, 0)
         return compiled(*args, **kwargs)
 
     block._compiled_call_impl = call

@@ -1,5 +1,6 @@
 """The compile switch: Fabric(compile=...) and setup(..., compile=...), and the report of what the compiler did."""
 
+import json
 import warnings
 
 import pytest
@@ -25,21 +26,22 @@ def net():
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dropout=0.0):
         super().__init__()
-        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+        self.norm, self.fc, self.drop = nn.LayerNorm(8), nn.Linear(8, 8), nn.Dropout(dropout)
 
     def forward(self, x):
-        return x + self.fc(nn.functional.gelu(self.norm(x)))
+        return x + self.drop(self.fc(nn.functional.gelu(self.norm(x))))
 
 
 class Tower(nn.Module):
     """A transformer-shaped model: an input layer, three repeated blocks in a ModuleList, a head."""
 
-    def __init__(self):
+    def __init__(self, dropout=0.0):
         super().__init__()
         torch.manual_seed(0)
-        self.embed, self.blocks, self.head = nn.Linear(6, 8), nn.ModuleList(Block() for _ in range(3)), nn.Linear(8, 3)
+        self.embed, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList(Block(dropout) for _ in range(3))
 
     def forward(self, x):
         x = self.embed(x)
@@ -107,7 +109,7 @@ def test_regional_false_and_models_without_repeated_blocks_compile_whole():
     assert fabric.compile_report()[0]["compiled"] == "whole" and fabric.compile_report()[0]["regions"] == []
 
 
-def test_partial_batches_and_new_eval_sizes_do_not_recompile_and_eval_compiles_once():
+def test_partial_batches_and_new_eval_sizes_do_not_recompile():
     fabric = Fabric(accelerator="cpu", compile=EAGER)
     model = train(fabric, steps=3, shapes=[8, 8, 5], model=Tower())  # the last training batch is partial
     model.eval()
@@ -117,13 +119,108 @@ def test_partial_batches_and_new_eval_sizes_do_not_recompile_and_eval_compiles_o
     model.train()
     model(torch.randn(8, 6)).sum().backward()
     (report,) = fabric.compile_report()
-    assert report["graphs"] == 1 and report["recompiles"] == 1  # the eval mode's graph, once
+    assert report["graphs"] == 1 and report["recompiles"] == 0
+
+
+def test_evaluating_after_training_compiles_nothing_more_and_runs_like_the_eager_model_in_eval_mode():
+    fabric = Fabric(accelerator="cpu", compile=EAGER)
+    model = train(fabric, steps=2, model=Tower(dropout=0.5))
+    eager = Tower(dropout=0.5)
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(7, 6)
+    for _ in range(2):  # evaluation and back to training, twice
+        model.eval(), eager.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), eager(x))  # dropout off, as in the eager model
+            torch.testing.assert_close(model(x), model(x))
+        model.train()
+        out = model(x)
+        assert not torch.equal(out, model(x))  # training again: dropout on
+        out.sum().backward()
+    (report,) = fabric.compile_report()
+    assert report["graphs"] == 1 and report["recompiles"] == 0
+
+
+def test_an_inference_only_model_is_compiled_and_so_is_an_evaluation_before_training():
+    fabric = Fabric(accelerator="cpu", compile=EAGER)
+    model = fabric.setup(Tower(dropout=0.5))
+    eager = Tower(dropout=0.5).eval()
+    model.eval()
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), eager(x))
+        model(torch.randn(9, 6))
+    assert fabric.compile_report()[0]["graphs"] == 1  # inference compiled
+    model.train()
+    model(x).sum().backward()  # training after it compiles its own graph once
+    model.eval()
+    with torch.no_grad():
+        model(x)  # and evaluation keeps its compiled graph
+    assert fabric.compile_report()[0]["recompiles"] == 1
 
 
 def test_dynamic_false_keeps_shapes_static_and_reports_the_recompiles():
     fabric = Fabric(accelerator="cpu", compile={**EAGER, "dynamic": False})
     train(fabric, steps=3, shapes=[8, 5, 3], model=Tower())
     assert fabric.compile_report()[0]["recompiles"] == 2
+
+
+def test_the_vector_instruction_check_runs_once_per_cache_folder_and_later_processes_read_its_result(
+    monkeypatch, tmp_path
+):
+    from fabriclite.compile import _vec_isa_option
+    from fabriclite.utilities.imports import inductor_vec_isa_all_pass
+
+    passes = inductor_vec_isa_all_pass()  # in the default folder, where earlier compiles built the test programs
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert _vec_isa_option() == ({"cpp.vec_isa_ok": True} if passes else {})
+    (record,) = (tmp_path / "fabriclite").iterdir()
+    assert record.read_text() == ("pass" if passes else "fail")
+    record.write_text("fail" if passes else "pass")  # what a later process finds is what it tells Inductor
+    assert _vec_isa_option() == ({} if passes else {"cpp.vec_isa_ok": True})
+
+
+def test_the_vector_instruction_option_is_only_given_to_inductor_on_a_cpu_and_never_over_the_users(monkeypatch):
+    from torch._inductor import config
+
+    from fabriclite.compile import _CountingBackend, _vec_isa_option
+
+    expected = _vec_isa_option().get("cpp.vec_isa_ok")
+    assert _CountingBackend({}, torch.device("cpu")).inner.config.get("cpp.vec_isa_ok") == expected
+    mode = _CountingBackend({"mode": "max-autotune-no-cudagraphs"}, torch.device("cpu")).inner.config
+    assert mode.get("cpp.vec_isa_ok") == expected and mode["max_autotune"]
+    assert "cpp.vec_isa_ok" not in _CountingBackend({}, torch.device("cuda")).inner.config
+    assert "options" not in _CountingBackend({"backend": "aot_eager"}, torch.device("cpu")).inner.kwargs
+    mine = _CountingBackend({"options": {"cpp.vec_isa_ok": False}}, torch.device("cpu"))
+    assert mine.inner.config["cpp.vec_isa_ok"] is False
+    with config.patch({"cpp.vec_isa_ok": False}):  # TORCHINDUCTOR_VEC_ISA_OK=0: the user decides, no record
+        assert "cpp.vec_isa_ok" not in _CountingBackend({}, torch.device("cpu")).inner.config
+
+
+WARM_SCRIPT = """
+import json, torch
+from torch._dynamo.utils import counters
+from fabriclite import Fabric
+fabric = Fabric(accelerator="cpu", compile=True)
+model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3)))
+model(torch.randn(5, 6)).sum().backward()
+print(json.dumps({**counters["inductor"], **counters["aot_autograd"]}))
+"""
+
+
+def test_a_second_process_finds_every_graph_in_the_cache_folder_the_first_one_filled(tmp_path):
+    # Two real processes sharing one empty Inductor cache folder: the vector instruction option must be the same in
+    # both (it is part of each cached graph's key), or the second process would compile everything again.
+    folder = str(tmp_path / "inductor")
+    first = json.loads(
+        run_python("-c", WARM_SCRIPT, timeout=900, TORCHINDUCTOR_CACHE_DIR=folder).stdout.splitlines()[-1]
+    )
+    second = json.loads(
+        run_python("-c", WARM_SCRIPT, timeout=900, TORCHINDUCTOR_CACHE_DIR=folder).stdout.splitlines()[-1]
+    )
+    assert first.get("autograd_cache_miss", 0) >= 1 and first.get("autograd_cache_hit", 0) == 0
+    assert second.get("autograd_cache_hit", 0) >= 1 and second.get("autograd_cache_miss", 0) == 0
+    assert second.get("fxgraph_cache_miss", 0) == 0
 
 
 def test_setup_compile_overrides_the_fabric_default():
@@ -171,8 +268,7 @@ def test_each_model_reports_only_what_was_compiled_for_it():
     chatty = fabric.setup(Chatty())
     chatty(torch.randn(4, 6))  # compiled before the tower's first call: two graphs and a break, not the tower's
     tower(torch.randn(4, 6)).sum().backward()
-    with torch.no_grad():
-        tower(torch.randn(4, 6))  # the tower's one recompile: no grad mode
+    tower(torch.randn(1, 6)).sum().backward()  # the tower's one recompile: Dynamo specializes a batch of 1
     chatty(torch.randn(4, 6))
     tower_report, chatty_report = fabric.compile_report()
     assert (tower_report["graphs"], tower_report["graph_breaks"], tower_report["recompiles"]) == (1, 0, 1)

@@ -39,3 +39,53 @@ def default_compile_backend() -> str:
     except ImportError:  # torch < 2.13
         return "inductor"
     return get_default_backend()
+
+
+def inductor_cache_dir() -> str:
+    """The folder Inductor keeps its compiled code in: ``TORCHINDUCTOR_CACHE_DIR``, else its default under the
+    temporary folder.
+
+    Usage: ``Path(inductor_cache_dir()) / "fabriclite"``.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def inductor_vec_isa_fingerprint() -> str | None:
+    """What Inductor's check of the CPU's vector instruction sets depends on, as one string: this torch (version and
+    place), the C++ compiler and its version, and the instruction sets the CPU's flags offer. None where fabriclite
+    leaves the check to Inductor: off x86-64 Linux (other checks), or where ``torch._inductor.config.cpp.vec_isa_ok``
+    (``TORCHINDUCTOR_VEC_ISA_OK``) is set.
+
+    Usage: ``key = inductor_vec_isa_fingerprint()``.
+    """
+    from torch._inductor import config
+    from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+
+    if sys.platform != "linux" or platform.machine() != "x86_64" or config.cpp.vec_isa_ok is not None:
+        return None
+    compiler = get_cpp_compiler()
+    return repr((torch.__version__, torch.__file__, compiler, get_compiler_version_info(compiler), _offered_vec_isas()))
+
+
+def inductor_vec_isa_all_pass() -> bool:
+    """Run Inductor's check of the CPU's vector instruction sets (it builds a test program per set and loads each in
+    a child process; its result is kept for this process) and say whether every set the CPU's flags offer passed.
+    x86-64 only (see ``inductor_vec_isa_fingerprint``).
+
+    Usage: ``inductor_vec_isa_all_pass()`` -> True on a machine whose C++ compiler and torch agree.
+    """
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    offered = _offered_vec_isas()
+    return bool(offered) and [str(isa) for isa in valid_vec_isa_list()] == offered
+
+
+def _offered_vec_isas() -> list[str]:
+    # The sets Inductor would check on x86-64, chosen by the CPU's flags as valid_vec_isa_list() does, without
+    # asking a set whether it passed: each set keeps its first answer for the process (functools.cache).
+    from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
+
+    flags = x86_isa_checker()
+    return [str(isa) for isa in supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
