@@ -55,14 +55,18 @@ def inductor_cache_dir() -> str:
 def inductor_vec_isa_fingerprint() -> str | None:
     """What Inductor's check of the CPU's vector instruction sets depends on, as one string: this torch (version and
     place), the C++ compiler and its version, and the instruction sets the CPU's flags offer. None where fabriclite
-    leaves the check to Inductor: off x86-64 Linux (other checks), or where ``torch._inductor.config.cpp.vec_isa_ok``
-    (``TORCHINDUCTOR_VEC_ISA_OK``) is set.
+    leaves the check to Inductor: off x86-64 Linux (other checks), on a torch without these modules, or where
+    ``torch._inductor.config.cpp.vec_isa_ok`` (``TORCHINDUCTOR_VEC_ISA_OK``) is set.
 
     Usage: ``key = inductor_vec_isa_fingerprint()``.
     """
     from torch._inductor import config
-    from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
 
+    try:
+        from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+        from torch._inductor.cpu_vec_isa import supported_vec_isa_list  # noqa: F401  (what _offered_vec_isas reads)
+    except ImportError:  # an older torch keeps them elsewhere: Inductor checks in each process, as it always did
+        return None
     if sys.platform != "linux" or platform.machine() != "x86_64" or config.cpp.vec_isa_ok is not None:
         return None
     compiler = get_cpp_compiler()
