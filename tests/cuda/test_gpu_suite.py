@@ -18,7 +18,8 @@ MISSING_PACKAGE = "No module named"
 
 
 def test_the_smoke_run_writes_every_csv_with_the_cpu_named_in_every_row(tmp_path):
-    result = run_python(str(SUITE), "--out", str(tmp_path), "--smoke", timeout=120, check=False)
+    sections = ("vit", "compare", "kernels")  # models has a test of its own, below
+    result = run_python(str(SUITE), "--out", str(tmp_path), "--smoke", "--sections", *sections, timeout=180, check=False)
     log = (tmp_path / "suite.log").read_text() if (tmp_path / "suite.log").exists() else ""
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{log[-3000:]}"
 
@@ -43,3 +44,28 @@ def test_the_smoke_run_writes_every_csv_with_the_cpu_named_in_every_row(tmp_path
     summary = (tmp_path / "summary.md").read_text()
     assert "Smoke run: tiny shapes on a CPU" in summary and "## Goals (smoke run" in summary
     assert summary in result.stdout
+
+
+def test_the_models_section_measures_every_variant_of_both_models_on_the_kernels_it_names(tmp_path):
+    result = run_python(str(SUITE), "--out", str(tmp_path), "--smoke", "--sections", "models", timeout=600, check=False)
+    log = (tmp_path / "suite.log").read_text() if (tmp_path / "suite.log").exists() else ""
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{log[-3000:]}"
+    with open(tmp_path / "models.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    gpt_kernels = ["rms_norm", "rope", "swiglu", "linear_cross_entropy"]
+    expected = {
+        ("vit", "eager", ""), ("vit", "eager + all kernels", "layer_norm"), ("vit", "compiled", ""),
+        ("vit", "compiled + all kernels", "layer_norm"), ("gpt", "eager", ""), ("gpt", "compiled", ""),
+        ("gpt", "eager + all kernels", " ".join(gpt_kernels)), ("gpt", "compiled + all kernels", " ".join(gpt_kernels)),
+        *(("gpt", f"eager + {op}", op) for op in gpt_kernels),
+    }  # fmt: skip
+    assert {(row["model"], row["variant"], row["kernels"]) for row in rows} == expected
+    for row in rows:
+        assert row["run"] == "smoke" and row["device"].startswith("CPU: ") and not row["error"], row
+        assert float(row["step_ms"]) > 0 and float(row["ratio_vs_off"]) > 0, row
+        # The norms are swapped exactly where the variant names them: 2 per block and the final one.
+        norms_named = "layer_norm" in row["kernels"] or "rms_norm" in row["kernels"]
+        assert int(row["swapped_norms"]) == (5 if norms_named else 0), row
+        if row["kernels"] == "":
+            assert float(row["ratio_vs_off"]) == 1.0, row  # the baseline against itself
+    assert "## Kernels inside models" in (tmp_path / "summary.md").read_text()
