@@ -19,7 +19,9 @@ MISSING_PACKAGE = "No module named"
 
 def test_the_smoke_run_writes_every_csv_with_the_cpu_named_in_every_row(tmp_path):
     sections = ("vit", "compare", "kernels")  # models has a test of its own, below
-    result = run_python(str(SUITE), "--out", str(tmp_path), "--smoke", "--sections", *sections, timeout=180, check=False)
+    result = run_python(
+        str(SUITE), "--out", str(tmp_path), "--smoke", "--sections", *sections, timeout=180, check=False
+    )
     log = (tmp_path / "suite.log").read_text() if (tmp_path / "suite.log").exists() else ""
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{log[-3000:]}"
 
