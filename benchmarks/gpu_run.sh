@@ -5,7 +5,9 @@
 #   2. the host cost of one kernel call, Triton's launches included, next to torch's: host-cost.md
 #   3. gpu_suite.py's models section: the kernels inside ViT-B/16 and the Llama-style GPT, eager and compiled, off,
 #      all on and each alone, interleaved: suite/models.csv (what MEASURED_WINS in kernels/swap.py is filled from)
-#   4. the talk's run (examples/vit/10_talk_vit_b16.py --synthetic) with empty caches, then again with the caches the
+#   4. gpu_suite.py's kernels section, --quick: cross-entropy, linear cross-entropy and the norms (at 16384x4096,
+#      16384x8192 and 25216x768) against eager, torch.compile and Liger when installed: suite/kernels.csv
+#   5. the talk's run (examples/vit/10_talk_vit_b16.py --synthetic) with empty caches, then again with the caches the
 #      first run left (one TORCHINDUCTOR_CACHE_DIR): talk-cold.log, talk-warm.log
 # Everything ends up in OUT, also packed as OUT/results.tar.gz.
 #
@@ -14,6 +16,7 @@
 #
 # Usage: bash benchmarks/gpu_run.sh OUT [--smoke]   (on the GPU machine: it installs fabriclite itself, offline)
 set -uo pipefail
+python3() { command "${PYTHON:-python3}" "$@"; }  # PYTHON: another interpreter (the tests pass theirs)
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash benchmarks/gpu_run.sh OUT [--smoke]}
 smoke=${2:-}
@@ -53,6 +56,8 @@ else
     step host-cost 45 python3 benchmarks/kernels.py --host-cost >"$out/host-cost.md" 2>&1
     step models 210 python3 benchmarks/gpu_suite.py --out "$out/suite" --sections models --budget 200 \
         >"$out/models.log" 2>&1
+    step kernels 150 python3 benchmarks/gpu_suite.py --quick --out "$out/suite" --sections kernels --budget 140 \
+        >"$out/kernels.log" 2>&1
     step talk-cold 110 python3 examples/vit/10_talk_vit_b16.py --synthetic >"$out/talk-cold.log" 2>&1
     step talk-warm 90 python3 examples/vit/10_talk_vit_b16.py --synthetic >"$out/talk-warm.log" 2>&1
 fi

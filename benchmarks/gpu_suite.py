@@ -450,6 +450,7 @@ def kernels_section(out: Path, run: str, clock: Clock) -> None:
             bench.cross_entropy_cases(bench.CROSS_ENTROPY_SHAPES[-1:])
             + bench.linear_cross_entropy_cases(bench.LINEAR_CROSS_ENTROPY_SHAPES[-1:])
             + bench.norm_cases(bench.QUICK_NORMS[1], bench.QUICK_NORMS[0])
+            + bench.norm_cases((25216,), (768,))  # ViT-B/16's rows at batch 128: issue 40's other norm goal
         )
         copy_gbps = bench.copy_bandwidth_gbps()
     else:  # the same cases at tiny sizes on CPU tensors, the kernels under Triton's interpreter

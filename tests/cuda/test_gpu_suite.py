@@ -2,11 +2,14 @@
 the run, the device and the versions, so that a smoke row can never pass for a GPU result."""
 
 import csv
+import sys
+import tarfile
 
 import torch
-from helpers import ROOT, run_python
+from helpers import ROOT, run_command, run_python
 
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
+RUN = ROOT / "benchmarks" / "gpu_run.sh"
 CSVS = {
     "vit": {"fp32", "bf16-mixed", "bf16-mixed + kernels", "bf16-mixed + compile", "bf16-mixed + compile + kernels"},
     "frameworks": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
@@ -48,10 +51,18 @@ def test_the_smoke_run_writes_every_csv_with_the_cpu_named_in_every_row(tmp_path
     assert summary in result.stdout
 
 
-def test_the_models_section_measures_every_variant_of_both_models_on_the_kernels_it_names(tmp_path):
-    result = run_python(str(SUITE), "--out", str(tmp_path), "--smoke", "--sections", "models", timeout=600, check=False)
-    log = (tmp_path / "suite.log").read_text() if (tmp_path / "suite.log").exists() else ""
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{log[-3000:]}"
+def test_gpu_run_smoke_measures_every_model_variant_on_the_kernels_it_names_and_packs_every_file(tmp_path):
+    """benchmarks/gpu_run.sh --smoke: the GPU command's steps on the CPU (host cost, the models section, the talk's
+    run twice), each ending cleanly, and the models rows as the section promises."""
+    run_command("bash", str(RUN), str(tmp_path), "--smoke", timeout=900, PYTHON=sys.executable)
+    log = (tmp_path / "run.log").read_text()
+    for step in ("host-cost", "models", "talk-cold", "talk-warm"):
+        assert f"===== {step}: exit 0 after" in log, log
+    assert "| layer_norm |" in (tmp_path / "host-cost.md").read_text()
+    assert "RESULT" in (tmp_path / "talk-warm.log").read_text()
+    with tarfile.open(tmp_path / "results.tar.gz") as packed:
+        assert {"./run.log", "./suite/models.csv", "./talk-cold.log"} <= set(packed.getnames())
+    tmp_path = tmp_path / "suite"
     with open(tmp_path / "models.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     gpt_kernels = ["rms_norm", "rope", "swiglu", "linear_cross_entropy"]

@@ -38,7 +38,21 @@ def cases() -> list:
          (t(()), t(3, 16), t(7, 16), target, t(7), t(15), target.new_tensor(2), -100, 0.1, 30.0, 1e-4,
           [True, True, True])),
     ]  # fmt: skip
-    return [(name, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)) for name, args in _cases()] + more
+    return [
+        (name, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)) for name, args in _cases()
+    ] + more
+
+
+def trace(op, args: tuple) -> torch.fx.GraphModule:
+    """The graph torch.compile's AOT stage makes of ``op(*args)`` (functionalized; inference, no backward)."""
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    aot_function(lambda *a: op(*a), fw_compiler=capture)(*args)
+    return graphs[0]
 
 
 def main() -> int:
@@ -48,19 +62,12 @@ def main() -> int:
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         for name, args in cases():
             args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
-            graphs = []
-
-            def capture(gm, inputs):
-                graphs.append(gm)
-                return gm
-
-            op = getattr(torch.ops.fabriclite, name)
             try:
-                aot_function(lambda *a: op(*a), fw_compiler=capture)(*args)
+                graph = trace(getattr(torch.ops.fabriclite, name), args)
             except Exception as exc:  # noqa: BLE001 - one op failing to trace is that op's line
                 print(f"OP {name} error={type(exc).__name__}: {str(exc).splitlines()[0][:300]}", flush=True)
                 continue
-            nodes = [node for node in graphs[0].graph.nodes if node.op == "call_function"]
+            nodes = [node for node in graph.graph.nodes if node.op == "call_function"]
             kernels = [
                 kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__
                 for node in nodes
