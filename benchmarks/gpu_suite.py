@@ -58,7 +58,7 @@ from gpu_summary import summarize
 from library_loops import FRAMEWORKS, ModelAndOptimizer, build, interleaved, timed
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("vit", "compare", "kernels")
+SECTIONS = ("models", "vit", "compare", "kernels")
 VIT_VARIANTS = (  # name, precision, compile, kernels
     ("fp32", "32-true", False, False),
     ("bf16-mixed", "bf16-mixed", False, False),
@@ -75,7 +75,13 @@ GOAL_OPS = ("cross_entropy", "linear_cross_entropy", "rms_norm", "add_rms_norm",
 MORE_OPS = ("rope", "swiglu", "bias_gelu")
 
 # The order the sections run in, and each one's share of the budget left when it starts.
-PLAN = (("vit", None, 0.48), ("compare", "bf16-mixed", 0.1), ("compare", "32-true", 0.16), ("kernels", None, 0.26))
+PLAN = (
+    ("models", None, 0.4),
+    ("vit", None, 0.48),
+    ("compare", "bf16-mixed", 0.1),
+    ("compare", "32-true", 0.16),
+    ("kernels", None, 0.26),
+)
 BUDGET_S = {"full": 450, "quick": 270, "smoke": 240}
 GRACE_S = 15  # past its share a section is killed; it stops starting new measurements this long before
 
@@ -102,7 +108,7 @@ SIZES = {
                    overhead_rounds=2, overhead_steps=8),
 }  # fmt: skip
 # The CSVs each section writes (a run of some sections leaves the others' CSVs in the folder as they were).
-WRITES = {"vit": ("vit",), "compare": ("frameworks", "overhead"), "kernels": ("kernels",)}
+WRITES = {"models": ("models",), "vit": ("vit",), "compare": ("frameworks", "overhead"), "kernels": ("kernels",)}
 
 # ---------------------------------------------------------------------- the CSVs
 COMMON = "run device torch triton cuda time".split()
@@ -111,6 +117,10 @@ COMPARISON = (
     "best_round_ratio float32_matmul_precision error"
 ).split()
 FIELDS = {
+    "models": (
+        "model width variant compiled kernels rounds steps_per_round step_ms samples_per_s samples ratio_vs_off "
+        "best_ratio_vs_off first_step_s peak_mib swapped_norms graph_breaks error"
+    ).split(),
     "vit": (
         "variant model precision compile kernels batch params_m step_ms images_per_s tflop_per_step achieved_tflops "
         "peak_tflops mfu peak_mib first_step_s compile_s eval_images_per_s eval_compile_s three_epochs_s fused_norms "
@@ -440,6 +450,7 @@ def kernels_section(out: Path, run: str, clock: Clock) -> None:
             bench.cross_entropy_cases(bench.CROSS_ENTROPY_SHAPES[-1:])
             + bench.linear_cross_entropy_cases(bench.LINEAR_CROSS_ENTROPY_SHAPES[-1:])
             + bench.norm_cases(bench.QUICK_NORMS[1], bench.QUICK_NORMS[0])
+            + bench.norm_cases((25216,), (768,))  # ViT-B/16's rows at batch 128: issue 40's other norm goal
         )
         copy_gbps = bench.copy_bandwidth_gbps()
     else:  # the same cases at tiny sizes on CPU tensors, the kernels under Triton's interpreter
@@ -483,7 +494,11 @@ def default_device() -> torch.device:
 def run_section(args: argparse.Namespace) -> int:
     """Inside a section's own process."""
     out, clock = Path(args.out), Clock(args.deadline)
-    if args.section == "vit":
+    if args.section == "models":
+        from in_model import run_models
+
+        run_models(Table(out, "models", args.run).write, args.run, clock.out)
+    elif args.section == "vit":
         vit_section(out, args.run, args.model, clock)
     elif args.section == "compare":
         compare_section(out, args.run, args.model, args.precision, clock)

@@ -1,5 +1,5 @@
-"""The tables and issue 16's goals (met, MISSED or not measured) from the CSVs gpu_suite.py writes: vit.csv,
-frameworks.csv, overhead.csv and kernels.csv in one folder. gpu_suite.py prints this at its end; run it alone to
+"""The tables and the issues' goals (met, MISSED or not measured) from the CSVs gpu_suite.py writes: models.csv,
+vit.csv, frameworks.csv, overhead.csv and kernels.csv in one folder. gpu_suite.py prints this at its end; run it alone to
 summarise a folder again, after a run that was cut short, say.
 
 Usage: ``python benchmarks/gpu_summary.py DIR``.
@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-CSVS = ("vit", "frameworks", "overhead", "kernels")
+CSVS = ("models", "vit", "frameworks", "overhead", "kernels")
 NORM_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")
 IMPLEMENTATIONS = ("fabriclite", "fabriclite, overwrite", "torch", "torch.compile", "liger")  # kernels.py's
 WITHIN_RAW = {"frameworks": 1.02, "overhead": 1.03}  # the issue's ViT goal; overhead.py's GOAL
@@ -38,6 +38,27 @@ def number(text: str | None) -> float:
 def goal(measured: float, ok: bool, text: str) -> str:
     """A goal's line: met or MISSED, or not measured when ``measured`` (the number it rests on) is missing."""
     return f"- {'not measured' if math.isnan(measured) else 'met' if ok else 'MISSED'}: {text}"
+
+
+def models(rows: list[Row]) -> tuple[list[str], list[str]]:
+    """in_model.py's rows: each kernel inside a training step, as a ratio to the same step with the kernels off."""
+    table = ["| model | width | variant | step ms | samples/s | ratio vs off (best) | peak MiB | first step s | error |",
+             "|---|---:|---|---:|---:|---|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        numbers = (
+            "- | - | - | - | -"
+            if r["error"]
+            else f"{number(r['step_ms']):.2f} | {number(r['samples_per_s']):.0f} {r['samples']} | "
+            f"{number(r['ratio_vs_off']):.3f} ({number(r['best_ratio_vs_off']):.3f}) | {number(r['peak_mib']):.0f} | "
+            f"{number(r['first_step_s']):.1f}"
+        )
+        table.append(f"| {r['model']} | {r['width']} | {r['variant']} | {numbers} | {r['error']} |")
+    ok = [r for r in rows if not r["error"] and r["kernels"]]
+    wins = [f"{r['variant']} ({r['model']}, {number(r['ratio_vs_off']):.3f})" for r in ok
+            if number(r["ratio_vs_off"]) <= 0.99]  # fmt: skip
+    goals = [goal(0.0 if ok else math.nan, bool(wins), "a kernel at least 1% faster inside a model: "
+                  + (", ".join(wins) if wins else "none"))]  # fmt: skip
+    return table, goals
 
 
 def vit(rows: list[Row]) -> tuple[list[str], list[str]]:
@@ -166,6 +187,7 @@ def summarize(folder: Path, notes: tuple[str, ...] = ()) -> str:
     lines += [f"- {note}" for note in notes] + [""]
     goals = []
     for title, (table, found) in (
+        ("Kernels inside models (a ratio below 1: faster with the kernels)", models(rows["models"])),
         ("ViT step through fabriclite", vit(rows["vit"])),
         ("ViT step by library", comparison(rows["frameworks"], WITHIN_RAW["frameworks"])),
         ("Per-step overhead of a tiny model", comparison(rows["overhead"], WITHIN_RAW["overhead"])),

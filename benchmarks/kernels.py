@@ -581,16 +581,73 @@ def host_cost_main(ops: list[str] | None) -> int:
     print(f"- {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'no GPU: the CPU proxy, fp32'}), "
           f"torch {torch.__version__}; fabriclite with its Triton launches skipped, torch's op as it is")  # fmt: skip
     print("")
-    print("| op | fabriclite (no launch) | torch | difference |")
-    print("|---|---|---|---|")
+    # On a GPU also the whole call, Triton's launches included: what a training step waits for.
+    whole = device.type == "cuda"
+    print("| op | fabriclite (no launch) |" + (" fabriclite |" if whole else "") + " torch | difference |")
+    print("|---|---|" + ("---|" if whole else "") + "---|---|")
     for op, (make_inputs, implementations) in host_cost_cases(device).items():
         if ops is not None and op not in ops:
             continue
         with _launches_skipped():
             ours = host_cost_us(make_inputs, implementations["fabriclite"])
         theirs = host_cost_us(make_inputs, implementations["torch"])
-        print(f"| {op} | {ours:.0f} | {theirs:.0f} | {ours - theirs:+.0f} |", flush=True)
+        if whole:
+            ours_whole = host_cost_us(make_inputs, implementations["fabriclite"])
+            print(f"| {op} | {ours:.0f} | {ours_whole:.0f} | {theirs:.0f} | {ours_whole - theirs:+.0f} |", flush=True)
+        else:
+            print(f"| {op} | {ours:.0f} | {theirs:.0f} | {ours - theirs:+.0f} |", flush=True)
+    if whole:
+        print("", *launch_cost_lines(device), sep="\n")
     return 0
+
+
+def launch_cost_lines(device: torch.device, calls: int = 2000) -> list[str]:
+    """Microseconds of one launch of the norm forward kernel at HOST_COST_SHAPE: through Triton's JIT entry
+    (``kernel[grid](...)``, what fabriclite calls), straight through the compiled kernel's launcher (what a cached
+    launch could cost), and one ``torch.empty`` for scale. The fastest of 5 runs of ``calls`` launches."""
+    import triton
+
+    from fabriclite.kernels import _norm
+
+    rows, width = HOST_COST_SHAPE
+    x = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
+    y, stats, weight = torch.empty_like(x), torch.empty(rows, device=device), torch.ones(width, device=device)
+    block, warps = _norm._launch_sizes(width)
+    args = (x, width, x, width, y, y, weight, weight, stats, width, 1e-5)
+    meta = {"RMS": True, "HAS_RESIDUAL": False, "HAS_WEIGHT": True, "HAS_BIAS": False, "BLOCK": block}
+    kernel = _norm._norm_forward_kernel
+
+    def jit() -> None:
+        kernel[(rows,)](*args, **meta, num_warps=warps)
+
+    lines = [f"One launch of the norm forward kernel at {rows}x{width} (triton {triton.__version__}), microseconds:"]
+    runs = {"Triton's JIT entry, kernel[grid](...)": jit, "torch.empty, for scale": lambda: torch.empty_like(x)}
+    try:
+        compiled = kernel[(rows,)](*args, **meta, num_warps=warps)
+        from triton.runtime.driver import driver
+
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        # Triton 3.3 and newer: the launcher takes every argument, constexprs included, in the kernel's order.
+        every = (*args, *meta.values())
+
+        def direct() -> None:
+            compiled.run(rows, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *every)
+
+        direct()
+        runs["the compiled kernel's launcher, compiled.run(...)"] = direct
+    except Exception as exc:  # noqa: BLE001 - another Triton's launcher: the JIT figure stands alone
+        lines.append(f"- the compiled kernel's launcher could not be called: {type(exc).__name__}: {exc}")
+    for name, fn in runs.items():
+        best = math.inf
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        lines.append(f"- {name}: {best:.1f}")
+    return lines
 
 
 def main() -> int:

@@ -55,17 +55,18 @@ def wrap_model(
     )
     original = module._orig_mod if user_compiled else module
     if kernels:  # before DDP/FSDP wrap anything, so they shard the fused modules
-        from fabriclite.kernels.swap import ops_to_swap, swap_modules
+        from fabriclite.kernels.swap import SWAPPABLE, ops_to_swap, swap_modules
 
         compiled = compile_kwargs is not None or user_compiled
         ops = ops_to_swap(strategy.root_device, compiled)
-        if ops:
-            swap_modules(original, ops)
-        else:
+        swapped = swap_modules(original, ops) if ops else 0
+        has_norms = any(type(m) in SWAPPABLE.values() for m in original.modules())
+        if not swapped and (has_norms or not ops):
             reason = (
                 "under compile=True, where inductor fuses torch's norms better than an opaque custom op"
                 if compiled
-                else f"on {strategy.root_device}, where no kernel has a measured win yet (kernels.swap.MEASURED_WINS)"
+                else f"on {strategy.root_device}, where no kernel has a measured win for this model's norms "
+                "(kernels.swap.MEASURED_WINS, by GPU class, op and width)"
             )
             warnings.warn(
                 f"Fabric(kernels=True) leaves the model's norms to torch {reason}; see docs/compile.md.",

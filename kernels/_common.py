@@ -8,10 +8,12 @@ from __future__ import annotations
 import functools
 import os
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import triton
+
+from fabriclite.utilities.imports import triton_op_available, wrap_triton_enabled
 
 # Kernel launches by kernel name. Tests read it to prove a Triton kernel ran (there is no torch fallback to hide
 # behind); it costs one dict update per launch.
@@ -29,6 +31,10 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
 
     Usage: ``launch(_my_forward_kernel, (n_rows,), x, y, n_cols, BLOCK=1024)``.
     """
+    LAUNCHES[kernel.__name__] += 1
+    if wrap_triton_enabled():  # torch.compile tracing a library op: the launch becomes a node of its graph
+        torch.library.wrap_triton(kernel)[grid](*args, **meta)
+        return
     tensor = args[0]
     if tensor.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(
@@ -36,8 +42,31 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
             "tensors to a CUDA device, use the torch op instead, or (to test on a CPU) set TRITON_INTERPRET=1 "
             "before triton is imported."
         )
-    LAUNCHES[kernel.__name__] += 1
     kernel[grid](*args, **meta)
+
+
+# Library ops (what traced code calls): ``torch.library.triton_op`` where the kernels are compiled and this torch has
+# it, so that torch.compile sees the Triton kernels inside each op and Inductor launches them from its own code, with
+# no Python dispatch per call; a ``custom_op`` otherwise (under Triton's interpreter, whose kernels cannot be traced),
+# which runs the op's Python body. Decided once, at import, as the interpreter itself is.
+TRITON_OPS = not INTERPRET and triton_op_available()
+
+
+def library_op(name: str, fake: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+    """Decorator registering ``fn`` as the library op ``name`` (a ``triton_op`` or a ``custom_op``, see
+    ``TRITON_OPS``), with ``fake`` computing its outputs' shapes for a custom op (a triton op traces ``fn`` itself).
+
+    Usage: ``@library_op("fabriclite::rope", fake=_rope_fake)`` over ``def _rope_op(q: torch.Tensor, ...) -> ...``.
+    """
+
+    def register(fn: Callable[..., Any]) -> Any:
+        if TRITON_OPS:
+            return torch.library.triton_op(name, fn, mutates_args=())
+        op = torch.library.custom_op(name, fn, mutates_args=())
+        op.register_fake(fake)
+        return op
+
+    return register
 
 
 # The kernels load these, compute in fp32 and store in the tensor's dtype. float64 would come back rounded to fp32

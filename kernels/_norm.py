@@ -28,7 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import cast, cdiv, launch, num_warps, reduction_programs, row_block, rows_and_strides
+from fabriclite.kernels._common import (
+    cast,
+    cdiv,
+    launch,
+    library_op,
+    num_warps,
+    reduction_programs,
+    row_block,
+    rows_and_strides,
+)
 
 
 @triton.jit
@@ -323,7 +332,15 @@ class _NormFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------- traced: torch.library custom ops
-@torch.library.custom_op("fabriclite::norm", mutates_args=())
+def _norm_op_fake(x, residual, weight, bias, n_cols, eps, rms):
+    n_rows = x.numel() // n_cols
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y = x.new_empty(x.shape, dtype=dtype)
+    summed = torch.empty_like(y) if residual is not None else x.new_empty(0)
+    return y, summed, x.new_empty((1 if rms else 2) * n_rows, dtype=torch.float32)
+
+
+@library_op("fabriclite::norm", fake=_norm_op_fake)
 def _norm_op(
     x: torch.Tensor,
     residual: Optional[torch.Tensor],
@@ -339,16 +356,14 @@ def _norm_op(
     return y, summed if summed is not None else x.new_empty(0), stats
 
 
-@_norm_op.register_fake
-def _(x, residual, weight, bias, n_cols, eps, rms):
-    n_rows = x.numel() // n_cols
-    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    y = x.new_empty(x.shape, dtype=dtype)
-    summed = torch.empty_like(y) if residual is not None else x.new_empty(0)
-    return y, summed, x.new_empty((1 if rms else 2) * n_rows, dtype=torch.float32)
+def _norm_backward_op_fake(dy, dsum, x, n_cols, weight, has_bias, stats, rms):
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dweight = torch.empty_like(weight) if weight is not None else x.new_empty(0, dtype=torch.float32)
+    dbias = x.new_empty(n_cols if has_bias else 0, dtype=torch.float32)
+    return dx, dweight, dbias
 
 
-@torch.library.custom_op("fabriclite::norm_backward", mutates_args=())
+@library_op("fabriclite::norm_backward", fake=_norm_backward_op_fake)
 def _norm_backward_op(
     dy: torch.Tensor,
     dsum: Optional[torch.Tensor],
@@ -365,14 +380,6 @@ def _norm_backward_op(
     # Outputs of a custom op may not share memory: both gradients are rows of one sum.
     dweight = dweight.clone() if dweight is not None else empty
     return dx, dweight, dbias.clone() if dbias is not None else empty.clone()
-
-
-@_norm_backward_op.register_fake
-def _(dy, dsum, x, n_cols, weight, has_bias, stats, rms):
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dweight = torch.empty_like(weight) if weight is not None else x.new_empty(0, dtype=torch.float32)
-    dbias = x.new_empty(n_cols if has_bias else 0, dtype=torch.float32)
-    return dx, dweight, dbias
 
 
 def _setup_context(ctx, inputs, output) -> None:

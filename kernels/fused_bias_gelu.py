@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import cast, cdiv, check_dtypes, launch, rows_and_strides, tile_blocks
+from fabriclite.kernels._common import cast, cdiv, check_dtypes, launch, library_op, rows_and_strides, tile_blocks
 
 # Tile shape: at most BLOCK_N_MAX columns, and about TILE elements per program.
 BLOCK_N_MAX = 1024
@@ -164,29 +164,27 @@ class _BiasGeluFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------- traced: torch.library registration
-@torch.library.custom_op("fabriclite::bias_gelu", mutates_args=())
+def _bias_gelu_op_fake(x, bias, approximate):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, bias.dtype))
+
+
+@library_op("fabriclite::bias_gelu", fake=_bias_gelu_op_fake)
 def _bias_gelu_op(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     return _forward(x, bias, approximate)
 
 
-@_bias_gelu_op.register_fake
-def _(x, bias, approximate):
-    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, bias.dtype))
+def _bias_gelu_backward_op_fake(dy, x, bias, approximate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
+        bias, memory_format=torch.contiguous_format
+    )
 
 
-@torch.library.custom_op("fabriclite::bias_gelu_backward", mutates_args=())
+@library_op("fabriclite::bias_gelu_backward", fake=_bias_gelu_backward_op_fake)
 def _bias_gelu_backward_op(
     dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, approximate: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dx, dbias)."""
     return _backward(dy, x, bias, approximate)
-
-
-@_bias_gelu_backward_op.register_fake
-def _(dy, x, bias, approximate):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
-        bias, memory_format=torch.contiguous_format
-    )
 
 
 def _setup_context(ctx, inputs, output) -> None:

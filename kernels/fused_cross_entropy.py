@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import as_rows, cast, check_dtypes, launch, num_warps
+from fabriclite.kernels._common import as_rows, cast, check_dtypes, launch, library_op, num_warps
 
 # The widest slice of a row one program reads at a time; a wider row is swept in blocks of this many logits.
 MAX_BLOCK = 8192
@@ -303,16 +303,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------- traced: torch.library registration
-@torch.library.custom_op("fabriclite::cross_entropy", mutates_args=())
-def _cross_entropy_op(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (loss, stats, n_valid): what the backward op needs besides the logits and targets."""
-    return _forward(logits, target, ignore_index, label_smoothing, reduction)
-
-
-@_cross_entropy_op.register_fake
-def _(logits, target, ignore_index, label_smoothing, reduction):
+def _cross_entropy_op_fake(logits, target, ignore_index, label_smoothing, reduction):
     n_rows = logits.shape[0]
     loss = logits.new_empty((n_rows,) if reduction == "none" else ())
     stats = logits.new_empty(2 * n_rows, dtype=torch.float32)
@@ -320,7 +311,19 @@ def _(logits, target, ignore_index, label_smoothing, reduction):
     return loss, stats, n_valid
 
 
-@torch.library.custom_op("fabriclite::cross_entropy_backward", mutates_args=())
+@library_op("fabriclite::cross_entropy", fake=_cross_entropy_op_fake)
+def _cross_entropy_op(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (loss, stats, n_valid): what the backward op needs besides the logits and targets."""
+    return _forward(logits, target, ignore_index, label_smoothing, reduction)
+
+
+def _cross_entropy_backward_op_fake(grad_loss, logits, target, stats, n_valid, ignore_index, label_smoothing):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@library_op("fabriclite::cross_entropy_backward", fake=_cross_entropy_backward_op_fake)
 def _cross_entropy_backward_op(
     grad_loss: torch.Tensor,
     logits: torch.Tensor,
@@ -333,11 +336,6 @@ def _cross_entropy_backward_op(
     """The logits' gradient, a new tensor (the compiler plans the buffers itself)."""
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     return _backward(grad_loss, logits, target, stats, n_valid, ignore_index, label_smoothing, out)
-
-
-@_cross_entropy_backward_op.register_fake
-def _(grad_loss, logits, target, stats, n_valid, ignore_index, label_smoothing):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output) -> None:

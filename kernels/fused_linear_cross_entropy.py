@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import triton
 
 from fabriclite.kernels import fused_cross_entropy
-from fabriclite.kernels._common import as_rows, cast, cdiv, check_dtypes, launch, num_warps
+from fabriclite.kernels._common import as_rows, cast, cdiv, check_dtypes, launch, library_op, num_warps
 from fabriclite.kernels._linear_cross_entropy_kernels import (
     _linear_cross_entropy_backward_kernel,
     _linear_cross_entropy_forward_kernel,
@@ -256,7 +256,17 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------- traced: torch.library registration
-@torch.library.custom_op("fabriclite::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op_fake(
+    hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss
+):
+    n_rows = hidden.shape[0]
+    loss = hidden.new_empty((n_rows,) if reduction == "none" else ())
+    state = hidden.new_empty(5 * n_rows, dtype=torch.float32)
+    n_valid = target.new_empty(()) if reduction == "mean" else hidden.new_empty(0, dtype=torch.float32)
+    return loss, state, n_valid
+
+
+@library_op("fabriclite::linear_cross_entropy", fake=_linear_cross_entropy_op_fake)
 def _linear_cross_entropy_op(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -272,16 +282,18 @@ def _linear_cross_entropy_op(
     return _forward(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss)
 
 
-@_linear_cross_entropy_op.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss):
-    n_rows = hidden.shape[0]
-    loss = hidden.new_empty((n_rows,) if reduction == "none" else ())
-    state = hidden.new_empty(5 * n_rows, dtype=torch.float32)
-    n_valid = target.new_empty(()) if reduction == "mean" else hidden.new_empty(0, dtype=torch.float32)
-    return loss, state, n_valid
+def _linear_cross_entropy_backward_op_fake(
+    grad_loss, hidden, weight, target, bias, state, n_valid, ignore_index, label_smoothing, softcap, z_loss, needs
+):
+    want_hidden, want_weight, want_bias = needs
+    return (
+        hidden.new_empty(hidden.shape) if want_hidden else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if want_weight else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if want_bias and bias is not None else hidden.new_empty(0),
+    )
 
 
-@torch.library.custom_op("fabriclite::linear_cross_entropy_backward", mutates_args=())
+@library_op("fabriclite::linear_cross_entropy_backward", fake=_linear_cross_entropy_backward_op_fake)
 def _linear_cross_entropy_backward_op(
     grad_loss: torch.Tensor,
     hidden: torch.Tensor,
@@ -302,16 +314,6 @@ def _linear_cross_entropy_backward_op(
         needs_grad,
     )  # fmt: skip
     return tuple(grad if grad is not None else hidden.new_empty(0) for grad in grads)
-
-
-@_linear_cross_entropy_backward_op.register_fake
-def _(grad_loss, hidden, weight, target, bias, state, n_valid, ignore_index, label_smoothing, softcap, z_loss, needs):
-    want_hidden, want_weight, want_bias = needs
-    return (
-        hidden.new_empty(hidden.shape) if want_hidden else hidden.new_empty(0),
-        weight.new_empty(weight.shape) if want_weight else hidden.new_empty(0),
-        bias.new_empty(bias.shape) if want_bias and bias is not None else hidden.new_empty(0),
-    )
 
 
 def _setup_context(ctx, inputs, output) -> None:

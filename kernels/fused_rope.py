@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import check_dtypes, launch, num_warps
+from fabriclite.kernels._common import check_dtypes, launch, library_op, num_warps
 
 
 @triton.jit
@@ -160,7 +160,11 @@ class _RopeFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------- traced: torch.library registration
-@torch.library.custom_op("fabriclite::rope", mutates_args=())
+def _rotated_fake(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x.new_empty(x.shape), y.new_empty(y.shape)
+
+
+@library_op("fabriclite::rope", fake=_rotated_fake)
 def _rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,22 +172,12 @@ def _rope_op(
     return _rotate(_rope_forward_kernel, q, cos, sin), _rotate(_rope_forward_kernel, k, cos, sin)
 
 
-@_rope_op.register_fake
-def _(q, k, cos, sin):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
-
-
-@torch.library.custom_op("fabriclite::rope_backward", mutates_args=())
+@library_op("fabriclite::rope_backward", fake=_rotated_fake)
 def _rope_backward_op(
     dq_rot: torch.Tensor, dk_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dq, dk), contiguous."""
     return _rotate(_rope_backward_kernel, dq_rot, cos, sin), _rotate(_rope_backward_kernel, dk_rot, cos, sin)
-
-
-@_rope_backward_op.register_fake
-def _(dq_rot, dk_rot, cos, sin):
-    return dq_rot.new_empty(dq_rot.shape), dk_rot.new_empty(dk_rot.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:

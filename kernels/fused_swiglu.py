@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import cdiv, check_dtypes, launch, rows_and_strides, tile_blocks
+from fabriclite.kernels._common import cdiv, check_dtypes, launch, library_op, rows_and_strides, tile_blocks
 
 # Tile shape: at most BLOCK_N_MAX columns, and about TILE elements per program.
 BLOCK_N_MAX = 1024
@@ -146,25 +146,23 @@ class _SwigluFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------- traced: torch.library registration
-@torch.library.custom_op("fabriclite::swiglu", mutates_args=())
+def _swiglu_op_fake(a, b):
+    return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
+
+
+@library_op("fabriclite::swiglu", fake=_swiglu_op_fake)
 def _swiglu_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _forward(a, b)
 
 
-@_swiglu_op.register_fake
-def _(a, b):
-    return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
+def _swiglu_backward_op_fake(dy, a, b):
+    return a.new_empty(a.shape), b.new_empty(b.shape)
 
 
-@torch.library.custom_op("fabriclite::swiglu_backward", mutates_args=())
+@library_op("fabriclite::swiglu_backward", fake=_swiglu_backward_op_fake)
 def _swiglu_backward_op(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (da, db)."""
     return _backward(dy, a, b)
-
-
-@_swiglu_backward_op.register_fake
-def _(dy, a, b):
-    return a.new_empty(a.shape), b.new_empty(b.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -58,13 +58,19 @@ def python_env(**extra: str) -> dict[str, str]:
 
 
 def run_python(*args: str, timeout: float = 120, check: bool = True, **env: str) -> subprocess.CompletedProcess:
-    """Run ``python *args`` to completion and return the result (stdout and stderr as text).
+    """Run ``python *args`` to completion and return the result (stdout and stderr as text); see ``run_command``."""
+    return run_command(sys.executable, *args, timeout=timeout, check=check, **env)
+
+
+def run_command(*command: str, timeout: float = 120, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """Run ``command`` to completion and return the result (stdout and stderr as text).
 
     The child gets its own process group, and on timeout the whole group is killed, so processes it started
     (DDP ranks, torchrun workers) never outlive the test.
     """
+    name = " ".join(("python", *command[1:]) if command[0] == sys.executable else command)
     child = subprocess.Popen(
-        [sys.executable, *args],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -76,12 +82,10 @@ def run_python(*args: str, timeout: float = 120, check: bool = True, **env: str)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         stdout, stderr = child.communicate()
-        raise AssertionError(
-            f"python {' '.join(args)} ran past {timeout} s and was killed\n{stdout}\n{stderr}"
-        ) from None
+        raise AssertionError(f"{name} ran past {timeout} s and was killed\n{stdout}\n{stderr}") from None
     result = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     if check and result.returncode != 0:
-        raise AssertionError(f"python {' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+        raise AssertionError(f"{name} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
 
 

@@ -5,9 +5,11 @@
           -> LayerNorm -> linear head sharing the token embedding's weights -> logits over the 256 byte values
 
 ``GPTConfig(llama=True)`` makes the blocks Llama's: RMSNorm, rotary position embedding (RoPE) on queries and keys
-instead of a position embedding, and a SwiGLU MLP. ``GPT(config, kernels=True)`` runs RoPE, SwiGLU and the loss on
-fabriclite's Triton kernels (the loss as a linear cross-entropy, which never holds all the logits at once); the
-norms are swapped by ``Fabric(kernels=True)``.
+instead of a position embedding, and a SwiGLU MLP. ``GPT(config, kernels=True)`` runs RoPE and SwiGLU on
+fabriclite's Triton kernels, and ``fused_loss=True`` the loss as its linear cross-entropy, which never holds all the
+logits at once: less memory, a slower step (on one H200 a 389M-parameter GPT with a 32768-token vocabulary stepped
+1.62x slower with it, faster with RoPE's and SwiGLU's kernels: BENCHMARKS.md). The norms are swapped by
+``Fabric(kernels=True)``.
 
 Usage:
     model = GPT(GPTConfig())
@@ -39,15 +41,19 @@ class GPTConfig:
 
 
 class Ops:
-    """The functions the blocks call, from torch or (``kernels=True``) from fabriclite's Triton kernels."""
+    """The functions the blocks call, from torch or from fabriclite's Triton kernels: RoPE and SwiGLU with
+    ``kernels=True``, the loss with ``fused_loss=True``."""
 
-    def __init__(self, kernels: bool) -> None:
+    def __init__(self, kernels: bool, fused_loss: bool = False) -> None:
+        self.rope, self.swiglu, self.linear_cross_entropy = rope_torch, swiglu_torch, linear_cross_entropy_torch
         if kernels:
-            from fabriclite.kernels import linear_cross_entropy, rope, swiglu
+            from fabriclite.kernels import rope, swiglu
 
-            self.rope, self.swiglu, self.linear_cross_entropy = rope, swiglu, linear_cross_entropy
-        else:
-            self.rope, self.swiglu, self.linear_cross_entropy = rope_torch, swiglu_torch, linear_cross_entropy_torch
+            self.rope, self.swiglu = rope, swiglu
+        if fused_loss:
+            from fabriclite.kernels import linear_cross_entropy
+
+            self.linear_cross_entropy = linear_cross_entropy
 
 
 def rope_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -144,10 +150,10 @@ class GPT(nn.Module):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     """
 
-    def __init__(self, config: GPTConfig, kernels: bool = False) -> None:
+    def __init__(self, config: GPTConfig, kernels: bool = False, fused_loss: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.ops = Ops(kernels)
+        self.ops = Ops(kernels, fused_loss)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = None if config.llama else nn.Embedding(config.block_size, config.n_embd)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])

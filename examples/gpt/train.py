@@ -119,8 +119,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--kernels",
         action="store_true",
-        help="Llama-style blocks on fabriclite's Triton kernels: RMSNorm, RoPE, SwiGLU, linear cross-entropy "
+        help="Llama-style blocks on fabriclite's Triton kernels: RMSNorm where measured faster, RoPE, SwiGLU "
         "(CUDA; elsewhere the same blocks on torch ops)",
+    )
+    parser.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="with --kernels, the loss as fabriclite's linear cross-entropy: never all the logits at once (less "
+        "memory for a large vocabulary), a slower step",
     )
     parser.add_argument("--llama", action="store_true", help="Llama-style blocks (RMSNorm, RoPE, SwiGLU) on torch ops")
     parser.add_argument("--max-steps", type=at_least(1), default=1000, help="optimizer steps")
@@ -148,6 +154,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--resume: no checkpoint at {args.out_dir / CHECKPOINT}. Run without --resume to start one.")
     if not args.prompt:
         parser.error("--prompt must not be empty: the model needs at least one byte to continue.")
+    if args.fused_loss and not args.kernels:
+        parser.error("--fused-loss is one of the kernels: give it with --kernels.")
     args.precision = args.precision or os.environ.get("FABRICLITE_CLI_PRECISION", "bf16-mixed")  # a launcher's
     if args.tp > 1 and args.devices == "auto":  # tensor parallel needs the number: a launcher's, else 1
         args.devices = int(os.environ.get("WORLD_SIZE", "1"))
@@ -232,7 +240,7 @@ def main() -> None:
     # Fabric(kernels=True) swapped nothing yet (there is no model): it decided whether the kernels run on this
     # device, and the model's own ops (RoPE, SwiGLU, the loss) follow the same decision.
     fused = args.kernels and kernels_available(fabric.device)
-    model = GPT(model_config, kernels=fused)
+    model = GPT(model_config, kernels=fused, fused_loss=fused and args.fused_loss)
     # nanoGPT's split: weight decay on the matrices (the embeddings too; the token embedding is also the head),
     # none on biases and LayerNorm gains.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -292,6 +300,9 @@ def main() -> None:
     flops_per_step = (
         args.grad_accum * measure_flops(meta_model, lambda: meta_model(meta_x), lambda y: y.sum()) / args.tp
     )
+    kernels_note = "torch ops"
+    if fused:
+        kernels_note = f"Triton kernels (RoPE, SwiGLU, norms{', linear cross-entropy' if args.fused_loss else ''})"
     throughput = ThroughputMonitor(fabric, window_size=5)
     n_params = sum(p.numel() for p in model.parameters())
     fabric.print(
@@ -300,7 +311,7 @@ def main() -> None:
         f"{fabric.world_size} process(es) on {fabric.device}, precision {args.precision}, "
         f"{torch.get_num_threads()} thread(s), {tokens_per_step} tokens per step, "
         f"{'Llama-style blocks' if model_config.llama else 'GPT-2 blocks'}, "
-        f"{'Triton kernels (RoPE, SwiGLU, norms, linear cross-entropy)' if fused else 'torch ops'}"
+        f"{kernels_note}"
     )
     if tensorboard_note:
         fabric.print(tensorboard_note)

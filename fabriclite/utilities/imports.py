@@ -41,6 +41,22 @@ def default_compile_backend() -> str:
     return get_default_backend()
 
 
+def triton_op_available() -> bool:
+    """Whether ``torch.library.triton_op`` and ``wrap_triton`` exist (torch 2.6 and newer): an op registered with
+    them shows torch.compile the Triton kernels inside it, which Inductor then launches from its own code."""
+    return hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
+
+
+try:
+    # True while torch.compile traces the body of a ``triton_op``: a kernel launched then must go through
+    # ``torch.library.wrap_triton`` to land in the graph.
+    from torch._library.triton import is_wrap_triton_enabled as wrap_triton_enabled
+except ImportError:  # torch < 2.6: no triton_op, so never
+
+    def wrap_triton_enabled() -> bool:
+        return False
+
+
 def inductor_cache_dir() -> str:
     """The folder Inductor keeps its compiled code in: ``TORCHINDUCTOR_CACHE_DIR``, else its default under the
     temporary folder.

@@ -2,11 +2,14 @@
 the run, the device and the versions, so that a smoke row can never pass for a GPU result."""
 
 import csv
+import sys
+import tarfile
 
 import torch
-from helpers import ROOT, run_python
+from helpers import ROOT, run_command, run_python
 
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
+RUN = ROOT / "benchmarks" / "gpu_run.sh"
 CSVS = {
     "vit": {"fp32", "bf16-mixed", "bf16-mixed + kernels", "bf16-mixed + compile", "bf16-mixed + compile + kernels"},
     "frameworks": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
@@ -18,7 +21,10 @@ MISSING_PACKAGE = "No module named"
 
 
 def test_the_smoke_run_writes_every_csv_with_the_cpu_named_in_every_row(tmp_path):
-    result = run_python(str(SUITE), "--out", str(tmp_path), "--smoke", timeout=120, check=False)
+    sections = ("vit", "compare", "kernels")  # models has a test of its own, below
+    result = run_python(
+        str(SUITE), "--out", str(tmp_path), "--smoke", "--sections", *sections, timeout=180, check=False
+    )
     log = (tmp_path / "suite.log").read_text() if (tmp_path / "suite.log").exists() else ""
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{log[-3000:]}"
 
@@ -43,3 +49,36 @@ def test_the_smoke_run_writes_every_csv_with_the_cpu_named_in_every_row(tmp_path
     summary = (tmp_path / "summary.md").read_text()
     assert "Smoke run: tiny shapes on a CPU" in summary and "## Goals (smoke run" in summary
     assert summary in result.stdout
+
+
+def test_gpu_run_smoke_measures_every_model_variant_on_the_kernels_it_names_and_packs_every_file(tmp_path):
+    """benchmarks/gpu_run.sh --smoke: the GPU command's steps on the CPU (host cost, the models section, the talk's
+    run twice), each ending cleanly, and the models rows as the section promises."""
+    run_command("bash", str(RUN), str(tmp_path), "--smoke", timeout=900, PYTHON=sys.executable)
+    log = (tmp_path / "run.log").read_text()
+    for step in ("host-cost", "models", "talk-cold", "talk-warm"):
+        assert f"===== {step}: exit 0 after" in log, log
+    assert "| layer_norm |" in (tmp_path / "host-cost.md").read_text()
+    assert "RESULT" in (tmp_path / "talk-warm.log").read_text()
+    with tarfile.open(tmp_path / "results.tar.gz") as packed:
+        assert {"./run.log", "./suite/models.csv", "./talk-cold.log"} <= set(packed.getnames())
+    tmp_path = tmp_path / "suite"
+    with open(tmp_path / "models.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    gpt_kernels = ["rms_norm", "rope", "swiglu", "linear_cross_entropy"]
+    expected = {
+        ("vit", "eager", ""), ("vit", "eager + all kernels", "layer_norm"), ("vit", "compiled", ""),
+        ("vit", "compiled + all kernels", "layer_norm"), ("gpt", "eager", ""), ("gpt", "compiled", ""),
+        ("gpt", "eager + all kernels", " ".join(gpt_kernels)), ("gpt", "compiled + all kernels", " ".join(gpt_kernels)),
+        *(("gpt", f"eager + {op}", op) for op in gpt_kernels),
+    }  # fmt: skip
+    assert {(row["model"], row["variant"], row["kernels"]) for row in rows} == expected
+    for row in rows:
+        assert row["run"] == "smoke" and row["device"].startswith("CPU: ") and not row["error"], row
+        assert float(row["step_ms"]) > 0 and float(row["ratio_vs_off"]) > 0, row
+        # The norms are swapped exactly where the variant names them: 2 per block and the final one.
+        norms_named = "layer_norm" in row["kernels"] or "rms_norm" in row["kernels"]
+        assert int(row["swapped_norms"]) == (5 if norms_named else 0), row
+        if row["kernels"] == "":
+            assert float(row["ratio_vs_off"]) == 1.0, row  # the baseline against itself
+    assert "## Kernels inside models" in (tmp_path / "summary.md").read_text()

@@ -156,12 +156,12 @@ def test_tensor_parallel_on_two_processes_trains_like_one_process(tmp_path):
 
 
 def test_kernels_through_the_triton_interpreter_train_like_torchs_ops(tmp_path):
-    """--kernels: Llama-style blocks with RMSNorm, RoPE, SwiGLU and the linear cross-entropy on fabriclite's Triton
-    kernels (the interpreter, on CPU), against the same blocks on torch's ops (--llama)."""
+    """--kernels --fused-loss: Llama-style blocks with RMSNorm, RoPE, SwiGLU and the linear cross-entropy on
+    fabriclite's Triton kernels (the interpreter, on CPU), against the same blocks on torch's ops (--llama)."""
     pytest.importorskip("triton", reason="fabriclite's kernels are written in Triton")
     # One 64-byte window per step keeps the interpreter (a Python loop per row) to a few seconds.
     common = [*QUIET, "--max-steps", "2", "--batch-size", "1", "--log-every", "1", "--eval-windows", "1"]
-    fused = run_python(TRAIN, *common, "--kernels", "--out-dir", str(tmp_path / "fused"), timeout=180,
+    fused = run_python(TRAIN, *common, "--kernels", "--fused-loss", "--out-dir", str(tmp_path / "fused"), timeout=180,
                        TRITON_INTERPRET="1").stdout  # fmt: skip
     plain = run_python(TRAIN, *common, "--llama", "--out-dir", str(tmp_path / "torch"), timeout=60).stdout
 
@@ -182,6 +182,7 @@ def test_bad_arguments_stop_before_training_with_a_message_naming_them(tmp_path)
         (["--resume", "--out-dir", str(tmp_path)], f"--resume: no checkpoint at {tmp_path / 'last.ckpt'}"),
         (["--tp", "2", "--devices", "3"], "--tp 2 needs --strategy auto (it brings its own), --devices a multiple"),
         (["--devices", "two"], "argument --devices: expected auto or a whole number >= 1, got 'two'"),
+        (["--fused-loss"], "--fused-loss is one of the kernels: give it with --kernels."),
     ]
     for args, message in cases:
         result = run_python(TRAIN, *args, timeout=60, check=False)

@@ -119,26 +119,50 @@ def test_swap_modules_replaces_only_the_kinds_named_and_refuses_unknown_ones():
         swap_modules(model, ["groupnorm"])
 
 
-def test_the_rule_swaps_nothing_under_compile_and_on_cuda_only_measured_wins(monkeypatch):
-    assert ops_to_swap("cpu", compiled=False) == ("layer_norm", "rms_norm")  # the interpreter: for tests
-    assert ops_to_swap("cpu", compiled=True) == ()
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert ops_to_swap("cuda:0", compiled=False) == ()  # no GPU measurement has shown a win yet
-    monkeypatch.setattr(swap, "MEASURED_WINS", frozenset({("rms_norm", "NVIDIA H100 80GB HBM3")}))
-    assert ops_to_swap("cuda:0", compiled=False) == ("rms_norm",)
-    assert ops_to_swap("cuda:0", compiled=True) == ()
+def test_the_rule_swaps_nothing_under_compile_and_on_cuda_only_measured_wins_at_their_widths(monkeypatch):
+    assert ops_to_swap("cpu", compiled=False) == {"layer_norm": None, "rms_norm": None}  # the interpreter: for tests
+    assert ops_to_swap("cpu", compiled=True) == {}
+    name = "NVIDIA A100-SXM4-80GB"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert ops_to_swap("cuda:0", compiled=False) == {}  # no measured win on this class of GPU
+    name = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(swap, "MEASURED_WINS", {("H100/H200", "rms_norm"): frozenset({4096})})
+    assert ops_to_swap("cuda:0", compiled=False) == {"rms_norm": frozenset({4096})}
+    assert ops_to_swap("cuda:0", compiled=True) == {}
+
+
+def test_gpus_are_known_by_their_class():
+    assert swap.device_class("NVIDIA H200") == "H100/H200"
+    assert swap.device_class("NVIDIA H100 80GB HBM3") == "H100/H200"
+    assert swap.device_class("NVIDIA A100-SXM4-80GB") is None
+    assert swap.device_class("NVIDIA GH100") is None  # a word of the name, not any substring
+
+
+def test_swap_modules_swaps_a_measured_op_only_at_its_measured_widths():
+    model = nn.Sequential(nn.LayerNorm(768), nn.LayerNorm(1024), nn.RMSNorm(768), nn.LayerNorm((3, 256)))
+    assert swap_modules(model, {"layer_norm": frozenset({768})}) == 2  # (3, 256) normalizes 768 elements a row
+    assert [type(m) for m in model] == [LayerNorm, nn.LayerNorm, nn.RMSNorm, LayerNorm]
+    model = nn.Sequential(nn.LayerNorm(768), nn.RMSNorm(1024))
+    assert swap_modules(model, {"rms_norm": None}) == 1 and type(model[1]) is RMSNorm
 
 
 def test_fabric_with_kernels_swaps_by_the_rule_and_says_when_it_swaps_nothing(monkeypatch):
     from fabriclite import Fabric
 
     fabric = Fabric(accelerator=DEVICE.type, devices=1, kernels=True)
-    assert ops_to_swap(DEVICE, compiled=False) == (() if DEVICE.type == "cuda" else ("layer_norm", "rms_norm"))
-    monkeypatch.setattr(swap, "ops_to_swap", lambda device, compiled: ("layer_norm",))
+    if DEVICE.type == "cpu":
+        assert ops_to_swap(DEVICE, compiled=False) == {"layer_norm": None, "rms_norm": None}
+    monkeypatch.setattr(swap, "ops_to_swap", lambda device, compiled: {"layer_norm": None})
     model = fabric.setup(_model())
     assert type(model.module.norm_in) is LayerNorm and type(model.module.norm_mid) is nn.RMSNorm
 
     monkeypatch.setattr(swap, "ops_to_swap", lambda device, compiled: ())
     with pytest.warns(UserWarning, match=r"kernels=True\) leaves the model's norms to torch on"):
+        model = fabric.setup(_model())
+    assert type(model.module.norm_in) is nn.LayerNorm
+
+    # A measured win at other widths than the model's: nothing swapped, and the same warning says so.
+    monkeypatch.setattr(swap, "ops_to_swap", lambda device, compiled: {"layer_norm": frozenset({7})})
+    with pytest.warns(UserWarning, match=r"no kernel has a measured win for this model's norms"):
         model = fabric.setup(_model())
     assert type(model.module.norm_in) is nn.LayerNorm
