@@ -16,8 +16,9 @@ inference-only model, or an evaluation before training) compiles what it runs, o
 
 Waiting less on a CPU: Inductor checks in every process which vector instruction sets the C++ compiler can build
 and load (six child processes that each load libtorch: about a second of CPU here). ``compile_model`` runs that
-check once per machine, torch and compiler, keeps the result in Inductor's cache folder, and tells Inductor the
-result (``cpp.vec_isa_ok``) in every process from the first on, so that the cached graphs keep matching.
+check once per cache folder, torch, compiler and CPU, keeps the result in the cache folder, and where every set
+passed tells Inductor so (``cpp.vec_isa_ok``) in every process from the first on, so that the cached graphs, whose
+keys include that setting, keep matching.
 
 The report counts what the compiler did for one model: each model is compiled through its own ``_CountingBackend``,
 the backend ``torch.compile`` would build from the same arguments, which counts the graphs Dynamo hands it and the
@@ -183,7 +184,7 @@ def _vec_isa_option() -> dict[str, bool]:
     graph, so it is given from the first process on, never only once the result is known.
     """
     fingerprint = inductor_vec_isa_fingerprint()
-    if fingerprint is None:  # the user set cpp.vec_isa_ok (TORCHINDUCTOR_VEC_ISA_OK): the user decides
+    if fingerprint is None:  # not x86-64 Linux, an older torch, or the user set cpp.vec_isa_ok: Inductor decides
         return {}
     name = "vec-isa-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:24]
     record = Path(inductor_cache_dir(), "fabriclite", name)
