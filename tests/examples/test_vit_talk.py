@@ -49,9 +49,10 @@ def test_the_talk_run_says_loudly_it_has_no_weights_and_no_data_and_reports_its_
 @pytest.mark.timeout(600)
 def test_the_talk_run_compiled_evaluates_new_and_partial_batch_sizes_without_recompiling():
     done = run_python(str(SCRIPT), *TINY, "--compile", timeout=540)
-    # Test batches of 32 and a partial 8 after training on 16: one compile for the eval mode, no more.
+    # Test batches of 32 and a partial 8 after training on 16: evaluation after training runs the blocks eagerly,
+    # so nothing compiles again.
     recompiles = [int(n) for n in re.findall(r"'recompiles': (\d+)", done.stdout)]
-    assert recompiles == [1], done.stdout[-2000:]
+    assert recompiles == [0], done.stdout[-2000:]
     assert "'compiled': 'regional'" in done.stdout
     assert result_of(done.stdout)["test_accuracy"] >= 0
 
