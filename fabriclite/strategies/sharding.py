@@ -12,13 +12,15 @@ import functools
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from fabriclite.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:  # importing FSDP is slow; materialize_meta_tensors is also used without it
+    from torch.distributed.fsdp import FSDPModule
 
 # A set of layer classes, or a function telling whether a module is one unit.
 ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bool], None]
@@ -103,6 +105,20 @@ def materialize(module: nn.Module, device: torch.device | str) -> list[str]:
         with torch.no_grad(), _whole_tensors(sub):
             reset()
     return missing
+
+
+def materialize_meta_tensors(module: nn.Module, device: torch.device | str) -> None:
+    """``materialize``, refusing a module that holds meta tensors and has no ``reset_parameters()`` (its memory
+    would stay uninitialised), with Lightning Fabric's ``TypeError`` (``utilities.init._materialize_meta_tensors``).
+
+    Usage: ``materialize_meta_tensors(block, "cuda:1")``.
+    """
+    missing = materialize(module, device)
+    if missing:
+        raise TypeError(
+            f"Materialization requires that the `{missing[0]}.reset_parameters` method is implemented. This method "
+            "is used to initialize any children parameters or buffers in this module."
+        )
 
 
 def _children_first(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:

@@ -39,3 +39,13 @@ def default_compile_backend() -> str:
     except ImportError:  # torch < 2.13
         return "inductor"
     return get_default_backend()
+
+
+def dynamo_supported() -> bool:
+    """Whether ``torch.compile``'s frame evaluation (dynamo) runs on this Python and platform.
+
+    Usage: ``if not dynamo_supported(): pytest.skip("torch.dynamo")``.
+    """
+    from torch._dynamo.eval_frame import is_dynamo_supported
+
+    return is_dynamo_supported()
