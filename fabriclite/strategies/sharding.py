@@ -97,10 +97,11 @@ def materialize(module: nn.Module, device: torch.device | str) -> list[str]:
     uninitialised until a checkpoint is loaded into it. Usage: ``missing = materialize(block, "cpu")``.
     """
     missing: list[str] = []
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its new tensor)
     for sub in _children_first(module, set()):
         if not any(t.is_meta for t in itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))):
             continue
-        sub.to_empty(device=device, recurse=False)
+        _give_storage(sub, device, made)
         reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
         if not callable(reset):
             missing.append(type(sub).__name__)
@@ -108,6 +109,21 @@ def materialize(module: nn.Module, device: torch.device | str) -> list[str]:
         with torch.no_grad(), _whole_tensors(sub):
             reset()
     return missing
+
+
+def _give_storage(module: nn.Module, device: torch.device | str, made: dict) -> None:
+    # module.to_empty(recurse=False) for its meta tensors only, giving a tensor shared by several modules (tied
+    # weights: an embedding and the output head) one new tensor, so the tie survives, as in a model built normally.
+    for store in (module._parameters, module._buffers):
+        for name, tensor in list(store.items()):
+            if tensor is None or not tensor.is_meta:
+                continue
+            if id(tensor) not in made:
+                new = torch.empty_like(tensor, device=device)
+                if isinstance(tensor, nn.Parameter):
+                    new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                made[id(tensor)] = (tensor, new)  # the meta tensor kept alive, so its id is not reused
+            store[name] = made[id(tensor)][1]
 
 
 def materialize_meta_tensors(module: nn.Module, device: torch.device | str) -> None:
