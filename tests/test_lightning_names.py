@@ -45,6 +45,7 @@ NAMES = [
     ("loggers", "CSVLogger"),
     ("loggers", "TensorBoardLogger"),
     ("wrappers", "is_wrapped"),
+    ("wrappers", "_unwrap_objects"),
     ("utilities", "rank_zero_only"),
     ("utilities", "move_data_to_device"),
     ("utilities", "AttributeDict"),
@@ -332,3 +333,23 @@ def test_runif_reasons_name_what_this_machine_lacks(root, monkeypatch):
         [],
         {"standalone": True},
     )
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_unwrap_objects_gives_back_what_setup_wrapped(root):
+    import torch
+    from torch.utils.data import DataLoader
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    package = importlib.import_module(root)
+    unwrap = importlib.import_module(root + ".wrappers")._unwrap_objects
+    fabric = package.Fabric(accelerator="cpu", devices=1)
+    module = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    loader = DataLoader(range(4), batch_size=2)
+    model, wrapped_optimizer = fabric.setup(module, optimizer)
+    wrapped_loader = fabric.setup_dataloaders(loader)
+    assert unwrap(model) is module and unwrap(wrapped_optimizer) is optimizer and unwrap(wrapped_loader) is loader
+    assert unwrap({"m": [model], "x": 3}) == {"m": [module], "x": 3} and unwrap(module) is module
+    assert unwrap(torch.compile(model)) is module
