@@ -1,9 +1,10 @@
 """Lightning Fabric's ``BitsandbytesPrecision``, at its import path: the ``nn.Linear`` layers of a model become
-``bitsandbytes`` 4-bit (NF4, FP4, with or without double quantisation) or 8-bit layers, which quantise their
-weights when they move to a CUDA device, and the forward runs in ``dtype``.
+``bitsandbytes`` 4-bit (NF4, FP4, with or without double quantisation) or 8-bit layers, and the forward runs in
+``dtype``.
 
 Importable everywhere; building one needs the ``bitsandbytes`` package (Lightning's ``ModuleNotFoundError``
-otherwise), and the quantised layers need CUDA, as bitsandbytes' do. What differs from Lightning: the layers are
+otherwise). The layers are bitsandbytes' own, which quantise as they move to the device, a CPU too with
+bitsandbytes >= 0.49 (Lightning's subclasses refuse anything but CUDA). What differs from Lightning: the layers are
 swapped in ``fabric.setup`` (``convert_module``), not while ``fabric.init_module()`` builds the model, so build the
 model normally (or load its weights) before ``setup``.
 
@@ -87,7 +88,7 @@ class BitsandbytesPrecision(Precision):
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Replace each ``nn.Linear`` outside ``ignore_modules`` by its bitsandbytes layer, holding the same weights
-        (quantised when the layer moves to CUDA)."""
+        (quantised when the layer moves to the device)."""
         if not any(isinstance(m, torch.nn.Linear) for m in module.modules()):
             raise TypeError(
                 "You are using the bitsandbytes precision plugin, but your model has no Linear layers. This plugin"
