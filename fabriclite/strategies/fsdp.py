@@ -152,8 +152,7 @@ class FSDPStrategy(ParallelStrategy):
                 f"FSDPStrategy runs FSDP2, which has no setting for {', '.join(name for name, _ in ignored)}, so "
                 f"{'it is' if len(ignored) == 1 else 'they are'} ignored: "
                 + "; ".join(f"{name}: {why}" for name, why in ignored)
-                + ". Leave them out to silence this warning.",
-                stacklevel=3,
+                + f". Leave {'it' if len(ignored) == 1 else 'them'} out to silence this warning."
             )
 
     def _process_state(self) -> dict[str, Any]:
