@@ -63,7 +63,12 @@ def run_variant(variant: str, path: str) -> None:
         del full
     fabric.barrier()
     sums = fabric.all_gather(torch.tensor([float(model.state_dict()["3.weight"].full_tensor().sum())]))
-    result = {"baseline": baseline, "peak": status("VmHWM"), "file": status("RssFile") - file_baseline, "sum": sums[0].item()}
+    result = {
+        "baseline": baseline,
+        "peak": status("VmHWM"),
+        "file": status("RssFile") - file_baseline,
+        "sum": sums[0].item(),
+    }
     for rank, r in enumerate(fabric.strategy.all_gather_object(result)):
         if fabric.is_global_zero:
             print("RESULT " + json.dumps({"rank": rank, **r}), flush=True)
