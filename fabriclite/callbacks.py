@@ -21,7 +21,8 @@ def call_hook(callbacks: list[Any], hook_name: str, *args: Any, **kwargs: Any) -
             continue
         if not callable(method):
             warnings.warn(
-                f"Skipping {type(callback).__name__}.{hook_name}: it is a {type(method).__name__}, not a method.",
+                f"Skipping the callback `{type(callback).__name__}.{hook_name}` because it is not callable "
+                f"(it is a {type(method).__name__}).",
                 UserWarning,
                 stacklevel=3,
             )

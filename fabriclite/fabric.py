@@ -447,11 +447,12 @@ class Fabric(LegacyAPI):
         verify: bool = True,
     ) -> None:
         """Load a plain state dict (e.g. saved with ``torch.save(model.state_dict())``) into a module or optimizer,
-        after checking the CRC-32s ``torch.save`` stores in the file (``verify=False`` skips that).
+        after checking the CRC-32s ``torch.save`` stores in the file (``verify=False`` skips that). Into a model
+        sharded by FSDP or ModelParallelStrategy, each rank takes its slice (rank 0 reads the file).
 
         Usage: ``fabric.load_raw("weights.pt", model)``.
         """
-        checkpoint.load_raw(path, obj, strict=strict, weights_only=weights_only, verify=verify)
+        checkpoint.load_raw(path, obj, strict=strict, weights_only=weights_only, verify=verify, strategy=self._strategy)
 
     # ------------------------------------------------------------------ logging, callbacks, progress
     def log(self, name: str, value: Any, step: int | None = None) -> None:

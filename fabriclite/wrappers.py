@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from fabriclite._collections import apply_to_collection
 from fabriclite.callbacks import call_hook
 from fabriclite.checkpoint import background
 from fabriclite.compile import compile_model
@@ -412,3 +413,26 @@ def is_wrapped(obj: object) -> bool:
     if type(obj).__name__ == "OptimizedModule":  # torch.compile's wrapper, named so as not to import dynamo
         obj = getattr(obj, "_orig_mod", obj)
     return isinstance(obj, (_FabricModule, _FabricOptimizer, _FabricDataLoader))
+
+
+def _unwrap_objects(collection: Any) -> Any:
+    """``collection`` with each object ``fabric.setup*`` returned replaced by what it wraps, as Lightning Fabric's
+    ``wrappers._unwrap_objects``: a model by the module the strategy runs (its DDP or FSDP module; the user's module
+    on one device), an optimizer by the user's, a loader by the user's; ``torch.compile``'s wrapper is taken off.
+
+    Usage: ``module = _unwrap_objects(model)``.
+    """
+    from fabriclite.data import _FabricDataLoader
+
+    def unwrap(obj: Any) -> Any:
+        inner = getattr(obj, "_orig_mod", obj) if type(obj).__name__ == "OptimizedModule" else obj
+        if isinstance(inner, _FabricModule):
+            forward = inner._forward_module
+            return getattr(forward, "_orig_mod", forward) if type(forward).__name__ == "OptimizedModule" else forward
+        if isinstance(inner, _FabricOptimizer):
+            return inner.optimizer
+        if isinstance(inner, _FabricDataLoader):
+            return inner._loader
+        return obj
+
+    return apply_to_collection(collection, (torch.nn.Module, _FabricOptimizer, _FabricDataLoader), unwrap)

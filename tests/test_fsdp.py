@@ -91,6 +91,24 @@ def test_empty_init_builds_on_meta_everywhere_and_setup_fills_only_each_ranks_sh
     assert_passed(out, EMPTY_INIT_CHECKS)
 
 
+LOAD_RAW_CHECKS = [
+    f"{kind}: {check}"
+    for kind in ("fsdp", "tp")
+    for check in (
+        "load_raw into a built model gives the weights of loading before sharding",
+        "load_raw into an empty init gives the weights of loading before sharding",
+        "strict load_raw refuses a file with a missing and an extra key, naming both, on every rank",
+        "non-strict load_raw loads what both have and leaves the rest",
+        "a tensor of another shape is refused on every rank, naming both shapes",
+    )
+] + ["fsdp: load_raw of a one-process optimizer state gives each rank its slices"]
+
+
+def test_load_raw_of_a_full_state_dict_into_a_sharded_model_gives_each_rank_its_slice(tmp_path):
+    out = run_python(str(SCRIPTS / "load_raw_sharded.py"), str(tmp_path), timeout=300).stdout
+    assert_passed(out, LOAD_RAW_CHECKS)
+
+
 @pytest.mark.parametrize("name", CHECKS)
 def test_fsdp_behaviour_on_two_processes(two_process_run, name):
     assert {("0", name), ("1", name)} <= passed(two_process_run), two_process_run[-2000:]
@@ -193,6 +211,76 @@ def test_default_units_skip_parameterless_repeats_and_single_layers():
 def test_invalid_options_say_what_is_valid(kwargs, error, match):
     with pytest.raises(error, match=match):
         FSDPStrategy(**kwargs)
+
+
+def test_fsdp1_arguments_litgpt_passes_are_accepted_with_one_warning_saying_fsdp2_has_no_such_setting():
+    with pytest.warns(UserWarning) as caught:
+        strategy = FSDPStrategy(
+            auto_wrap_policy={Block},
+            activation_checkpointing_policy={Block},
+            state_dict_type="full",
+            limit_all_gathers=True,
+            cpu_offload=False,
+            use_orig_params=True,
+        )
+    messages = [str(w.message) for w in caught if "FSDP2" in str(w.message)]
+    assert len(messages) == 1
+    assert "no setting for limit_all_gathers, use_orig_params, so they are ignored" in messages[0]
+    assert strategy.checkpoint_policy(Block()) and strategy.cpu_offload is False
+    assert strategy.state_dict_type == "full"
+
+
+def test_fsdp1_objects_are_translated_to_their_fsdp2_policies():
+    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, ShardingStrategy
+
+    strategy = FSDPStrategy(
+        cpu_offload=CPUOffload(offload_params=True),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+    )
+    policy = strategy.mixed_precision
+    assert (policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs) == (
+        torch.bfloat16,
+        torch.float32,
+        True,
+    )
+    assert strategy.cpu_offload is True and strategy.reshard_after_forward is False
+    assert FSDPStrategy(cpu_offload=CPUOffload(offload_params=False)).cpu_offload is False
+    own = CPUOffloadPolicy(pin_memory=False)
+    assert FSDPStrategy(cpu_offload=own)._offload_policy is own
+    with pytest.warns(UserWarning, match="mixed_precision.buffer_dtype: FSDP2 leaves buffers in their own dtype"):
+        FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    assert FSDPStrategy(activation_checkpointing=nn.Linear).checkpoint_policy(nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"process_group": None}, ValueError, r"FSDPStrategy\(process_group=...\) is an FSDP1 argument.*device_mesh"),
+        ({"param_init_fn": None}, ValueError, r"param_init_fn.*init_module\(empty_init=True\)"),
+        ({"ignored_modules": []}, ValueError, r"ignored_modules.*ModelParallelStrategy\(parallelize_fn\)"),
+        ({"device_id": 0}, ValueError, r"device_id.*Fabric\(devices=...\)"),
+        ({"limit_all_gather": True}, TypeError, "unexpected keyword argument 'limit_all_gather'.*limit_all_gathers"),
+        ({"cpu_offload": "yes"}, TypeError, "cpu_offload='yes' must be a bool"),
+        (
+            {"activation_checkpointing": nn.Linear, "activation_checkpointing_policy": {nn.Linear}},
+            ValueError,
+            "pass activation_checkpointing_policy only",
+        ),
+    ],
+)
+def test_fsdp1_arguments_without_an_fsdp2_meaning_are_refused_saying_what_to_use(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        FSDPStrategy(**kwargs)
+
+
+def test_fsdp_and_model_parallel_are_siblings_as_in_lightning():
+    from fabriclite.strategies import ModelParallelStrategy, ParallelStrategy
+
+    fsdp, model_parallel = FSDPStrategy(), ModelParallelStrategy(lambda model, mesh: model)
+    assert not isinstance(model_parallel, FSDPStrategy) and not isinstance(fsdp, ModelParallelStrategy)
+    assert isinstance(fsdp, ParallelStrategy) and isinstance(model_parallel, ParallelStrategy)
+    assert fsdp._sharding is not model_parallel._sharding  # each holds its own setup state
 
 
 def test_a_directory_without_fabriclite_structure_is_refused_by_name(tmp_path):

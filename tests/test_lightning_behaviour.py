@@ -141,7 +141,7 @@ def test_call_passes_each_callback_only_the_keywords_it_takes_and_warns_on_a_non
 
     everything = Takes_everything()
     fabric = Fabric(accelerator="cpu", callbacks=[recorder, everything, NotAHook()])
-    with pytest.warns(UserWarning, match="NotAHook.on_epoch_end"):
+    with pytest.warns(UserWarning, match="Skipping the callback `NotAHook.on_epoch_end` because it is not callable"):
         fabric.call("on_epoch_end", results=1, epoch=4)
     assert recorder.calls == [("epoch", 1)] and everything.got == {"results": 1, "epoch": 4}
 

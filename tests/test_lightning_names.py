@@ -34,6 +34,9 @@ NAMES = [
     ("plugins", "FSDPPrecision"),
     ("plugins", "CheckpointIO"),
     ("plugins", "TorchCheckpointIO"),
+    ("plugins", "BitsandbytesPrecision"),
+    ("plugins.precision.bitsandbytes", "BitsandbytesPrecision"),
+    ("plugins.precision.bitsandbytes", "_BITSANDBYTES_AVAILABLE"),
     ("plugins.environments", "ClusterEnvironment"),
     ("plugins.environments", "LightningEnvironment"),
     ("plugins.environments", "SLURMEnvironment"),
@@ -42,6 +45,7 @@ NAMES = [
     ("loggers", "CSVLogger"),
     ("loggers", "TensorBoardLogger"),
     ("wrappers", "is_wrapped"),
+    ("wrappers", "_unwrap_objects"),
     ("utilities", "rank_zero_only"),
     ("utilities", "move_data_to_device"),
     ("utilities", "AttributeDict"),
@@ -68,6 +72,13 @@ NAMES = [
     ("utilities.throughput", "measure_flops"),
     ("utilities.throughput", "Throughput"),
     ("utilities.throughput", "ThroughputMonitor"),
+    # LitGPT's imports, beyond the documented API
+    ("utilities.load", "_lazy_load"),
+    ("utilities.load", "_NotYetLoadedTensor"),
+    ("utilities.init", "_materialize_meta_tensors"),
+    ("utilities.imports", "_IS_WINDOWS"),
+    ("utilities.imports", "_TORCH_GREATER_EQUAL_2_3"),
+    ("utilities.testing", "_runif_reasons"),
 ]
 STRATEGY_STRINGS = [
     "ddp",
@@ -216,3 +227,129 @@ def test_setup_warns_once_when_the_models_parameters_sit_on_different_devices():
         fabric.setup(nn.Sequential(nn.Linear(1, 2), nn.Linear(2, 2, device="meta")), move_to_device=False)
         model = fabric.setup(nn.Linear(1, 2))
         model(torch.ones(1, 1))  # nothing is checked per step
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_bitsandbytes_precision_without_the_package_names_it_and_how_to_install_it(root):
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    module = importlib.import_module(root + ".plugins.precision.bitsandbytes")
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed here")
+    assert not module._BITSANDBYTES_AVAILABLE
+    assert str(module._BITSANDBYTES_AVAILABLE) == (
+        "Requirement 'bitsandbytes' not met. HINT: Try running `pip install -U 'bitsandbytes'`"
+    )
+    with pytest.raises(ModuleNotFoundError, match="Requirement 'bitsandbytes' not met"):
+        module.BitsandbytesPrecision("nf4")
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_lazy_load_gives_the_saved_tensors_and_refuses_a_missing_file(root, tmp_path):
+    import torch
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    load = importlib.import_module(root + ".utilities.load")
+    state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}
+    torch.save({"model": state}, tmp_path / "ckpt.pth")
+    loaded = load._lazy_load(tmp_path / "ckpt.pth")["model"]
+    assert sorted(loaded) == ["b", "w"] and loaded["w"].shape == (2, 3) and loaded["b"].dtype == torch.bfloat16
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+    assert not isinstance(torch.ones(1), load._NotYetLoadedTensor)
+    with pytest.raises(FileNotFoundError):
+        load._lazy_load(tmp_path / "missing.pth")
+
+
+def test_lazy_load_leaves_the_tensors_in_the_file(tmp_path):
+    import sys
+
+    import torch
+
+    from fabriclite.utilities.load import _lazy_load
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads the process's memory map from /proc")
+
+    def mapped_from(path, tensor):  # the tensor's bytes lie in a mapping of the file, not in fresh memory
+        for line in open("/proc/self/maps"):
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if len(fields) == 6 and fields[5] == str(path) and start <= tensor.data_ptr() < end:
+                return True
+        return False
+
+    torch.save({"w": torch.randn(4, 4)}, tmp_path / "ckpt.pth")
+    torch.save({"w": torch.randn(4, 4)}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    assert mapped_from(tmp_path / "ckpt.pth", _lazy_load(tmp_path / "ckpt.pth")["w"])
+    assert not mapped_from(tmp_path / "old.pth", _lazy_load(tmp_path / "old.pth")["w"])  # the old format: read whole
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_materialize_meta_tensors_fills_meta_modules_and_refuses_one_without_reset_parameters(root):
+    import torch
+    from torch import nn
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    materialize = importlib.import_module(root + ".utilities.init")._materialize_meta_tensors
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    materialize(model, torch.device("cpu"))
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+    assert torch.equal(model[1].weight, torch.ones(4)) and model[0].weight.abs().max() <= 3**-0.5
+
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.empty(2, device="meta"))
+
+    with pytest.raises(TypeError, match="`Bare.reset_parameters` method is implemented"):
+        materialize(Bare(), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_runif_reasons_name_what_this_machine_lacks(root, monkeypatch):
+    import sys
+
+    import torch
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    reasons_for = importlib.import_module(root + ".utilities.testing")._runif_reasons
+    monkeypatch.delenv("PL_RUN_STANDALONE_TESTS", raising=False)
+    assert reasons_for() == ([], {})
+    gpus = torch.cuda.device_count()
+    reasons, kwargs = reasons_for(min_cuda_gpus=gpus + 1, standalone=True, min_torch="99.0", max_torch="1.0")
+    assert reasons == [
+        f"GPUs>={gpus + 1}",
+        f"torch>=99.0, {torch.__version__} installed",
+        f"torch<1.0, {torch.__version__} installed",
+        "Standalone execution",
+    ]
+    assert kwargs == {"min_cuda_gpus": True, "standalone": True}
+    monkeypatch.setenv("PL_RUN_STANDALONE_TESTS", "1")
+    assert reasons_for(standalone=True, min_python=f"{sys.version_info.major}.{sys.version_info.minor}") == (
+        [],
+        {"standalone": True},
+    )
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_unwrap_objects_gives_back_what_setup_wrapped(root):
+    import torch
+    from torch.utils.data import DataLoader
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    package = importlib.import_module(root)
+    unwrap = importlib.import_module(root + ".wrappers")._unwrap_objects
+    fabric = package.Fabric(accelerator="cpu", devices=1)
+    module = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    loader = DataLoader(range(4), batch_size=2)
+    model, wrapped_optimizer = fabric.setup(module, optimizer)
+    wrapped_loader = fabric.setup_dataloaders(loader)
+    assert unwrap(model) is module and unwrap(wrapped_optimizer) is optimizer and unwrap(wrapped_loader) is loader
+    assert unwrap({"m": [model], "x": 3}) == {"m": [module], "x": 3} and unwrap(module) is module
+    assert unwrap(torch.compile(model)) is module

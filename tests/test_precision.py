@@ -416,3 +416,32 @@ def test_precision_plugins_refuse_names_and_scalers_they_do_not_take():
         FSDPPrecision("8-true")
     scaler = torch.amp.GradScaler("cpu")
     assert MixedPrecision("16-mixed", "cpu", scaler=scaler).scaler is scaler
+
+
+@pytest.mark.parametrize(
+    ("mode", "layer", "stored"), [("nf4", "Linear4bit", torch.uint8), ("int8", "Linear8bitLt", torch.int8)]
+)
+def test_bitsandbytes_precision_quantizes_the_linear_layers_outside_ignore_modules(mode, layer, stored):
+    pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (not in the test requirements)")
+    from fabriclite.plugins import BitsandbytesPrecision
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    expected = model(torch.ones(2, 64))
+    precision = BitsandbytesPrecision(mode, dtype=torch.float16 if mode == "int8" else torch.bfloat16)
+    fabric = Fabric(accelerator="cpu", plugins=[precision])
+    quantized = fabric.setup(model)  # bitsandbytes quantizes as the layers move to the device
+    assert [type(m).__name__ for m in quantized.module if not isinstance(m, torch.nn.ReLU)] == [layer, layer]
+    assert quantized.module[0].weight.dtype == stored
+    out = quantized(torch.ones(2, 64))
+    assert out.dtype == torch.float32 and torch.allclose(out, expected, atol=0.1) and not torch.equal(out, expected)
+    kept = BitsandbytesPrecision(mode, ignore_modules={"2"}).convert_module(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    )
+    assert [type(m).__name__ for m in kept] == [layer, layer, "Linear"]
+    with pytest.raises(ValueError, match="'int8' only works with `dtype=torch.float16`"):
+        BitsandbytesPrecision("int8", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="mode='nf8'.*Valid: 'nf4'"):
+        BitsandbytesPrecision("nf8")
+    with pytest.raises(TypeError, match="your model has no Linear layers"):
+        precision.convert_module(torch.nn.ReLU())

@@ -88,12 +88,12 @@ def test_a_strategy_travels_to_a_new_process_without_what_it_built_here(plain_pr
     strategy = FSDPStrategy(auto_wrap_policy={nn.Linear}, start_method="spawn")
     strategy.configure(CPUAccelerator([0, 1]))
     optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
-    strategy._optimizers.add(optimizer)
+    strategy._sharding.optimizers.add(optimizer)
     arrived = pickle.loads(pickle.dumps(strategy))
     assert type(arrived.launcher) is InProcessLauncher  # in a new process, the processes exist already
-    assert len(arrived._optimizers) == 0 and arrived.mesh is None and arrived.environment is None
+    assert len(arrived._sharding.optimizers) == 0 and arrived.mesh is None and arrived.environment is None
     assert arrived.wrap_policy(nn.Linear(1, 1)) and not arrived.wrap_policy(nn.ReLU())
-    assert len(strategy._optimizers) == 1  # the original keeps its own
+    assert len(strategy._sharding.optimizers) == 1  # the original keeps its own
 
 
 class HalfParams(Precision):

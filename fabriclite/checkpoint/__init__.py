@@ -36,6 +36,7 @@ from fabriclite.checkpoint.files import (
     check_replaceable,
     describe,
     is_checkpoint,
+    lazy_load,
     partial_path,
     remove,
     replace,
@@ -305,17 +306,73 @@ def consolidate(sharded_dir: str | os.PathLike, out_file: str | os.PathLike, ver
 
 
 def load_raw(
-    path: str | os.PathLike, obj: Any, strict: bool = True, weights_only: bool = True, verify: bool = True
+    path: str | os.PathLike,
+    obj: Any,
+    strict: bool = True,
+    weights_only: bool = True,
+    verify: bool = True,
+    strategy: Any = None,
 ) -> None:
     """Load a plain state dict (e.g. ``torch.save(model.state_dict())``) into a module or an optimizer; the CRC-32s
-    that ``torch.save`` stores in the file are checked first (``verify``)."""
+    that ``torch.save`` stores in the file are checked first (``verify``).
+
+    Into a model sharded across processes (FSDP, tensor parallel: DTensors), rank 0 reads the file and checks that
+    it fits, as one process would; then each tensor goes from rank 0 to every rank, which keeps its slice, so no
+    rank other than 0 ever holds more than one full tensor (``strategy`` gives the ranks and collectives). An
+    optimizer of a sharded model cuts its slices out of the full states on every rank."""
     if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         raise TypeError(f"fabric.load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
     _wait_for_copy()
+    what = "the " + ("module" if isinstance(obj, torch.nn.Module) else "optimizer")
+    if _has_dtensors(obj):
+        if isinstance(obj, torch.nn.Module):
+            _load_raw_sharded(path, getattr(obj, "module", obj), strict, weights_only, verify, strategy)
+            return
+        state_dict = lazy_load(path, weights_only=weights_only, verify=verify)
+        live = LiveState({"optimizer": obj}, templates_only=True)
+        sliced = map_with_path({"optimizer": state_dict}, torch.Tensor, lambda p, t: slice_like(t, live.tensor(p)))
+        load_state_dict(obj, sliced["optimizer"], strict, path, what)
+        return
     state_dict = safe_load(path, weights_only=weights_only, verify=verify)
-    load_state_dict(
-        obj, state_dict, strict, path, "the " + ("module" if isinstance(obj, torch.nn.Module) else "optimizer")
-    )
+    load_state_dict(obj, state_dict, strict, path, what)
+
+
+def _has_dtensors(obj: Any) -> bool:
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist otherwise
+        return False
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(isinstance(p, DTensor) for group in obj.param_groups for p in group["params"])
+    return any(isinstance(t, DTensor) for t in obj.state_dict().values())
+
+
+def _load_raw_sharded(
+    path: Any, module: torch.nn.Module, strict: bool, weights_only: bool, verify: bool, strategy: Any
+) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if strategy is None:
+        raise ValueError(
+            f"{type(module).__name__} is sharded across processes (its tensors are DTensors): load into it with "
+            "fabric.load_raw(path, model), which knows the processes."
+        )
+    full: dict[str, Any] = {}
+
+    def read_and_check() -> None:  # on rank 0: the file mapped, not read (one copy at most), then its fit
+        state_dict = lazy_load(path, weights_only=weights_only, verify=verify)
+        if not isinstance(state_dict, Mapping):
+            raise mismatch(path, f"Checkpoint {str(path)!r} holds a {type(state_dict).__name__}, not a state dict.")
+        problem = _module_differences(module, state_dict, strict)
+        if problem is not None:
+            message = f"Checkpoint {str(path)!r} does not fit the module ({type(module).__name__}): {problem}"
+            raise mismatch(path, message, RuntimeError)
+        own = module.state_dict()
+        full.update((key, value) for key, value in state_dict.items() if key in own)  # non-strict: skip the rest
+
+    agreed(strategy, read_and_check, path, fail=read_failure)  # every rank raises what rank 0 found
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(module, full, options=options)
 
 
 def _wait_for_copy() -> None:

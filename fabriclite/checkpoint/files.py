@@ -273,14 +273,19 @@ def fsync_dir(folder: Path) -> None:
 
 
 def safe_load(
-    path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True, verify: bool = True
+    path: str | os.PathLike,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    verify: bool = True,
+    mmap: bool = False,
 ) -> Any:
     """Load a file written by ``torch.save``; any problem raises one ``CheckpointError`` naming the file and saying
     what is wrong (missing, truncated, corrupt, unsafe, not a checkpoint).
 
     ``verify=True`` (the default) checks every record against its stored CRC-32, on other threads while torch
     reads, and raises before anything is returned. ``weights_only=True`` (the default) refuses to run code from the
-    file; pass ``False`` only for trusted files. Usage: ``checkpoint = safe_load("last.ckpt")``.
+    file; pass ``False`` only for trusted files. ``mmap=True`` leaves the tensors in the file (torch's ``mmap``):
+    their pages are read when touched. Usage: ``checkpoint = safe_load("last.ckpt")``.
     """
     path = Path(path)
     if not path.exists():
@@ -293,7 +298,7 @@ def safe_load(
         )
     check = _in_background(_verify, path) if verify else None
     try:
-        result = torch.load(path, map_location=map_location, weights_only=weights_only)
+        result = torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except Exception as error:
         if check is not None:
             check.result()  # damage found by the checksums explains the failure best
@@ -302,6 +307,22 @@ def safe_load(
         if check is not None:
             check.result()
     return result
+
+
+def lazy_load(path: str | os.PathLike, weights_only: bool = True, verify: bool = True) -> Any:
+    """Load a ``torch.save`` file without reading its tensors into memory: they stay in the file (mapped, read
+    when touched), so taking one tensor of a large checkpoint costs that tensor only (Lightning Fabric's
+    ``utilities.load._lazy_load``). A file in torch's old, pre-zip format cannot be mapped and is read whole. The
+    checksums are still verified (a sequential read that fills no memory); ``weights_only`` refuses code, as in
+    ``safe_load``. Usage: ``state = lazy_load("lit_model.pth"); state["lm_head.weight"]``.
+    """
+    return safe_load(path, weights_only=weights_only, verify=verify, mmap=zipfile.is_zipfile(path))
+
+
+class NotYetLoadedTensor:
+    """Lightning's lazily loaded tensor type (``utilities.load._NotYetLoadedTensor``), for code that names it in
+    type hints and ``isinstance`` checks. ``lazy_load`` returns real tensors whose data stays in the file until
+    touched (torch's ``mmap``), so no object of this type is ever made."""
 
 
 def _verify(path: Path) -> None:

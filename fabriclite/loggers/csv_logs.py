@@ -20,7 +20,8 @@ class CSVLogger(_VersionedLogger):
 
     Rows are buffered and written every ``flush_logs_every_n_steps`` calls to ``log_metrics``, at least every
     10 seconds, on ``save()``, on ``finalize()`` and when the interpreter exits. The header is the union of all
-    metric names seen plus ``step``; when new names appear, the file is rewritten under the wider header.
+    metric names seen plus ``step``, sorted (as Lightning's); when new names appear, the file is rewritten under the
+    wider header. A row logged without a step gets Lightning's: the number of rows buffered and not yet written.
 
     The first row checks that ``log_dir`` can be written, and raises an ``OSError`` naming it if not. A write that
     fails raises, naming the file and the rows not written; those rows stay buffered, and the next write tries
@@ -87,7 +88,7 @@ class CSVLogger(_VersionedLogger):
         return _ExperimentWriter(self)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Buffer one row; ``step`` defaults to the number of rows logged before it.
+        """Buffer one row; ``step`` defaults to the number of rows buffered and not yet written (Lightning's rule).
 
         Usage: ``logger.log_metrics({"loss": 0.25, "acc": 0.9}, step=100)``
         """
@@ -95,7 +96,7 @@ class CSVLogger(_VersionedLogger):
 
     def _add_row(self, row: dict[str, float], step: int | None) -> None:
         if step is None:
-            step = self._rows_logged
+            step = len(self._rows)
         elif hasattr(step, "item") and not isinstance(step, int):
             step = step.item()
         if not isinstance(step, int) or isinstance(step, bool):
@@ -104,9 +105,8 @@ class CSVLogger(_VersionedLogger):
             self._check_writable()  # at the first row, as Lightning: not hours later, at the first flush
             self._warn_if_replacing()
         row["step"] = step
-        for key in row:
-            if key not in self._columns:
-                self._columns.append(key)
+        if not row.keys() <= set(self._columns):
+            self._columns = sorted(set(self._columns) | row.keys())
         self._rows.append(row)
         self._rows_logged += 1
         _UNSAVED.add(self)

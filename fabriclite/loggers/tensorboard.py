@@ -140,15 +140,17 @@ class TensorBoardLogger(_VersionedLogger):
         model = original if isinstance(original, torch.nn.Module) else model
         if input_array is None:
             warnings.warn(
-                "Could not log the graph to TensorBoard: pass input_array, or set model.example_input_array.",
+                "Could not log computational graph to TensorBoard: The `model.example_input_array` attribute is not "
+                "set or `input_array` was not given. Pass input_array, or set model.example_input_array.",
                 UserWarning,
                 stacklevel=2,
             )
             return
         if not isinstance(input_array, (torch.Tensor, tuple)):
             warnings.warn(
-                f"Could not log the graph to TensorBoard: the input is a {type(input_array).__name__}; pass a tensor, "
-                "or a tuple of the positional arguments of the model's forward.",
+                "Could not log computational graph to TensorBoard: The `input_array` or `model.example_input_array` "
+                f"has type {type(input_array)} which can't be traced by TensorBoard. Make the input array a tuple "
+                "representing the positional arguments to the model's `forward()` implementation.",
                 UserWarning,
                 stacklevel=2,
             )

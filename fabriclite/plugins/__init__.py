@@ -19,8 +19,10 @@ from fabriclite.plugins.precision import (
     Precision,
     TruePrecision,
 )
+from fabriclite.plugins.precision.bitsandbytes import BitsandbytesPrecision
 
 __all__ = [
+    "BitsandbytesPrecision",
     "CheckpointIO",
     "ClusterEnvironment",
     "DoublePrecision",

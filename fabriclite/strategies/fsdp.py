@@ -21,43 +21,64 @@ Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one
 - Checkpoints: ``state_dict_type`` picks the format in ``fabriclite.checkpoint``: "sharded", a folder every rank
   writes its shards into, or "full", one file from rank 0 in the form a one-process checkpoint has.
 
-The mesh is built in ``mesh.py``; what FSDP shares with ``ModelParallelStrategy`` (choosing the units, the empty
-init, skipping gradient sync) is in ``sharding.py``; the loss scaler that agrees across ranks is the precision's.
+The mesh is built in ``mesh.py``; what FSDP shares with ``ModelParallelStrategy`` (its sibling, as in Lightning:
+choosing the units, the empty init, the setup around sharding, skipping gradient sync) is in ``sharding.py``; the
+loss scaler that agrees across ranks is the precision's.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from fabriclite import checkpoint
 from fabriclite._blocks import repeated_blocks  # also importable from here, where it lived first
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.plugins.environments import ClusterEnvironment
+from fabriclite.rank_zero import rank_zero_warn
 from fabriclite.strategies.mesh import sharding_choice, sharding_mesh
 from fabriclite.strategies.parallel import ParallelStrategy
 from fabriclite.strategies.sharding import (
     ModulePolicy,
+    ShardedSetup,
+    compile_units,
     has_meta,
     materialize,
     meta_init,
     module_policy,
-    named_tensors,
     no_gradient_sync,
-    refuse_meta_optimizer,
-    warn_uninitialized,
 )
 
 STATE_DICT_TYPES = ("sharded", "full")
+
+# FSDP1's keyword arguments (FullyShardedDataParallel's, which Lightning's FSDPStrategy passes on) that FSDP2 has no
+# setting for: accepted, with one warning saying why nothing changes.
+FSDP1_IGNORED = {
+    "limit_all_gathers": "FSDP2 bounds the all-gathers in flight itself",
+    "use_orig_params": "FSDP2 always keeps the original parameters (as DTensors)",
+    "forward_prefetch": "FSDP2 prefetches the next unit's all-gather itself",
+    "backward_prefetch": "FSDP2 prefetches the next unit's all-gather itself",
+    "sync_module_states": "fabriclite always gives every rank its slice of rank 0's weights in setup",
+}
+# ...and those with no FSDP2 meaning here: refused, saying what to use instead.
+FSDP1_REFUSED = {
+    "process_group": "the processes come from Fabric(devices=..., num_nodes=...); for hybrid sharding pass "
+    "device_mesh=(replicate, shard) or a 2-D DeviceMesh",
+    "device_id": "Fabric(devices=...) places each process on its device",
+    "param_init_fn": "build the model under `with fabric.init_module(empty_init=True):`; each module's "
+    "reset_parameters() then fills its shard in setup",
+    "ignored_modules": "FSDPStrategy shards every parameter; to leave some whole, shard by hand in a "
+    "ModelParallelStrategy(parallelize_fn) that calls fully_shard on the modules you choose",
+    "ignored_states": "FSDPStrategy shards every parameter; to leave some whole, shard by hand in a "
+    "ModelParallelStrategy(parallelize_fn) that calls fully_shard on the modules you choose",
+}
 
 
 class FSDPStrategy(ParallelStrategy):
@@ -65,16 +86,22 @@ class FSDPStrategy(ParallelStrategy):
 
     - ``auto_wrap_policy``: the layer classes (or a ``module -> bool`` function) that become sharding units; by
       default the blocks that repeat in an ``nn.ModuleList``/``nn.Sequential``.
-    - ``activation_checkpointing_policy``: layer classes whose activations are recomputed in backward.
-    - ``mixed_precision``: an FSDP ``MixedPrecisionPolicy``; by default from the Fabric precision: its
-      ``param_dtype`` ("bf16-mixed": bf16, "16-mixed": fp16) for the gathered parameters, fp32 gradient reduction.
-    - ``cpu_offload``: keep the parameter, gradient and optimizer shards in CPU memory.
+    - ``activation_checkpointing_policy``: layer classes whose activations are recomputed in backward
+      (``activation_checkpointing``, Lightning's older name, is the same).
+    - ``mixed_precision``: an FSDP2 ``MixedPrecisionPolicy`` (or FSDP1's ``MixedPrecision``, translated); by
+      default from the Fabric precision: its ``param_dtype`` ("bf16-mixed": bf16, "16-mixed": fp16) for the
+      gathered parameters, fp32 gradient reduction.
+    - ``cpu_offload``: keep the parameter, gradient and optimizer shards in CPU memory (True, an FSDP2
+      ``CPUOffloadPolicy`` or FSDP1's ``CPUOffload(offload_params=True)``).
     - ``state_dict_type``: "sharded" (a directory, every rank writes its shards) or "full" (one file from rank 0).
     - ``sharding_strategy``: Lightning's FSDP1 spelling (a string or ``torch.distributed.fsdp.ShardingStrategy``):
       "FULL_SHARD" frees the gathered parameters after forward, "SHARD_GRAD_OP" keeps them until backward
       (``reshard_after_forward=False``: more memory, one all-gather less); "HYBRID_SHARD" shards within groups of
       ranks and replicates across them (HSDP: the all-gathers stay inside a node), on ``device_mesh=(replicate,
       shard)`` or a 2-D ``DeviceMesh``, by default (num_nodes, devices per node); "NO_SHARD" replicates everything.
+    - Other FSDP1 keyword arguments Lightning passes on to FSDP: those FSDP2 has no setting for
+      (``FSDP1_IGNORED``: ``limit_all_gathers``, ``use_orig_params``, ...) are accepted with one warning; those
+      with no meaning here (``FSDP1_REFUSED``) raise, saying what to use. docs/strategies.md has the table.
 
     Usage: ``Fabric(devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}), precision="bf16-mixed")``.
     """
@@ -83,8 +110,8 @@ class FSDPStrategy(ParallelStrategy):
         self,
         auto_wrap_policy: ModulePolicy = None,
         activation_checkpointing_policy: ModulePolicy = None,
-        mixed_precision: MixedPrecisionPolicy | None = None,
-        cpu_offload: bool = False,
+        mixed_precision: Any = None,
+        cpu_offload: Any = False,
         reshard_after_forward: bool = True,
         state_dict_type: str = "sharded",
         process_group_backend: str | None = None,
@@ -95,36 +122,41 @@ class FSDPStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         sharding_strategy: Any = None,
         device_mesh: tuple[int, int] | Any = None,
+        activation_checkpointing: ModulePolicy = None,
+        **fsdp1_kwargs: Any,
     ) -> None:
         super().__init__(
             process_group_backend, timeout, start_method, checkpoint_io, stall_timeout, cluster_environment
         )
+        if activation_checkpointing is not None:
+            if activation_checkpointing_policy is not None:
+                raise ValueError(
+                    "activation_checkpointing and activation_checkpointing_policy were both given; pass "
+                    "activation_checkpointing_policy only (activation_checkpointing is Lightning's older name for it)."
+                )
+            activation_checkpointing_policy = activation_checkpointing
+        ignored = _check_fsdp1_kwargs(fsdp1_kwargs)
         reshard_after_forward, self.mesh_kind = sharding_choice(sharding_strategy, reshard_after_forward, device_mesh)
         self._mesh_request = device_mesh  # the shape or mesh asked for; self.mesh is the mesh built
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported. Valid choices: 'sharded', 'full'.")
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
-            raise TypeError(
-                f"mixed_precision={mixed_precision!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy, or None "
-                "to follow the Fabric precision."
-            )
         self.wrap_policy = module_policy(auto_wrap_policy, "auto_wrap_policy")
         self.checkpoint_policy = module_policy(activation_checkpointing_policy, "activation_checkpointing_policy")
-        self.mixed_precision = mixed_precision
-        self.cpu_offload = bool(cpu_offload)
+        self.mixed_precision, ignored_precision = _mixed_precision_policy(mixed_precision)
+        self.cpu_offload, self._offload_policy = _offload_policy(cpu_offload)
         self.reshard_after_forward = reshard_after_forward
         self.state_dict_type = state_dict_type
+        ignored += ignored_precision
+        if ignored:
+            rank_zero_warn(
+                f"FSDPStrategy runs FSDP2, which has no setting for {', '.join(name for name, _ in ignored)}, so "
+                f"{'it is' if len(ignored) == 1 else 'they are'} ignored: "
+                + "; ".join(f"{name}: {why}" for name, why in ignored)
+                + f". Leave {'it' if len(ignored) == 1 else 'them'} out to silence this warning."
+            )
 
     def _process_state(self) -> dict[str, Any]:
-        return {
-            **super()._process_state(),
-            "mesh": None,
-            # Parameters fully_shard replaced, so optimizers built on the unsharded model can be pointed at the
-            # shards: id(old) -> (old, new), both weak: the full-size originals go with their optimizer, the shards
-            # with the model.
-            "_sharded_params": {},
-            "_optimizers": weakref.WeakSet(),
-        }
+        return {**super()._process_state(), "mesh": None, "_sharding": ShardedSetup()}
 
     @property
     def device_mesh(self) -> Any:
@@ -156,42 +188,7 @@ class FSDPStrategy(ParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` in place: activation checkpointing, then one ``fully_shard`` per unit, then the root;
         finally every rank takes its slice of rank 0's weights (as DDP broadcasts them)."""
-        if type(module).__name__ == "OptimizedModule":  # compiled by the user: shard the model inside, keep the wrapper
-            self.setup_module(module._orig_mod)
-            return module
-        if any(isinstance(m, FSDPModule) for m in module.modules()):
-            raise ValueError(
-                f"{type(module).__name__} already contains fully_shard modules; pass fabric.setup the plain model."
-            )
-        metas = self.all_gather_object(has_meta(module))
-        if any(metas) and not all(metas):
-            raise ValueError(
-                f"The model has parameters or buffers on the meta device on ranks {[r for r, m in enumerate(metas) if m]} "
-                "only. Build it the same way on every rank: inside `with fabric.init_module(empty_init=True):` (the meta "
-                "device everywhere, each rank's shard initialised in setup), or with real weights everywhere."
-            )
-        # Rank 0's full weights, taken before sharding replaces the parameters (aliases: fully_shard may move the
-        # parameters' data to the device, these stay where the model was built).
-        source = (
-            {name: t.detach() for name, t in named_tensors(module).items()}
-            if self.is_global_zero and self.world_size > 1 and not metas[0]
-            else {}
-        )
-        old_params = [(name, weakref.ref(p)) for name, p in module.named_parameters()]
-        self._uninitialized: list[str] = []
-        module = self._shard(module)
-        if has_meta(module):  # what _shard left on the meta device (ModelParallelStrategy's parallelize_fn)
-            self._uninitialized += materialize(module, self._materialize_device)
-        warn_uninitialized(self._uninitialized)
-        if self.world_size > 1 and not metas[0]:
-            self._copy_from_rank_zero(module, source)
-        new_params = dict(module.named_parameters())
-        for name, old in old_params:
-            if old() is not None:
-                self._sharded_params[id(old())] = (old, weakref.ref(new_params[name]))
-        for optimizer in list(self._optimizers):  # set up before this module: point them at the shards now
-            self._remap_optimizer(optimizer)
-        return module
+        return self._sharding.setup_module(self, module, self._shard, self._materialize_device)
 
     def _shard(self, module: nn.Module) -> nn.Module:
         # Activation checkpointing, then one fully_shard per unit (innermost first), then the root.
@@ -209,15 +206,14 @@ class FSDPStrategy(ParallelStrategy):
             "mesh": self.mesh,
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": self._mixed_precision_policy(),
-            "offload_policy": CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
-            if self.cpu_offload
-            else OffloadPolicy(),
+            "offload_policy": self._offload_policy
+            or (CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()),
         }
         # Innermost first: a unit's parameters must not be claimed by an outer one. After an empty init, each unit
         # gets storage just before it is sharded, so one unit at a time is ever whole.
         for unit in [*reversed(units), module]:
             if has_meta(unit):
-                self._uninitialized += materialize(unit, self._materialize_device)
+                self._sharding.uninitialized += materialize(unit, self._materialize_device)
             fully_shard(unit, **options)
         return module
 
@@ -226,13 +222,8 @@ class FSDPStrategy(ParallelStrategy):
         return torch.device("cpu") if self.cpu_offload else self.root_device
 
     def compile_module(self, module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
-        """Compile each FSDP unit that ``setup_module`` made, then the root, in place (``nn.Module.compile``): the
-        modules FSDP hooked stay the same objects, and the units' graphs sit between FSDP's all-gathers."""
-        inner = module._orig_mod if type(module).__name__ == "OptimizedModule" else module
-        for unit in [m for m in inner.modules() if m is not inner and isinstance(m, FSDPModule)]:
-            unit.compile(**kwargs)
-        module.compile(**kwargs)
-        return module
+        """Compile each FSDP unit that ``setup_module`` made, then the root, in place."""
+        return compile_units(module, kwargs)
 
     def _mixed_precision_policy(self) -> MixedPrecisionPolicy:
         if self.mixed_precision is not None:
@@ -242,54 +233,11 @@ class FSDPStrategy(ParallelStrategy):
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
-    @torch.no_grad()
-    def _copy_from_rank_zero(self, module: nn.Module, source: dict[str, torch.Tensor]) -> None:
-        # Rank 0 scatters each parameter's slices and broadcasts each buffer: one full tensor in flight at a time.
-        # A DTensor on a 2-D mesh, or on a sub-mesh without global rank 0 (tensor parallel x FSDP: the FSDP-only
-        # layers of the other tensor-parallel ranks), gets the whole tensor by broadcast and keeps its own slice.
-        for name, tensor in named_tensors(module).items():
-            if isinstance(tensor, DTensor):
-                full = source[name] if self.is_global_zero else torch.empty(tensor.shape, dtype=tensor.dtype)
-                mesh = tensor.device_mesh
-                full = full.to(mesh.device_type)
-                scatter = mesh.ndim == 1 and mesh.size() == self.world_size
-                if not scatter:
-                    dist.broadcast(full, src=0)
-                shard = distribute_tensor(full, mesh, tensor.placements, src_data_rank=0 if scatter else None)
-                tensor.to_local().copy_(shard.to_local())
-            else:
-                full = source[name].to(tensor.device) if self.is_global_zero else tensor
-                dist.broadcast(full, src=0)
-                tensor.copy_(full)
-
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point an optimizer built on the unsharded model at the sharded parameters (same groups, same order,
         same hyperparameters). An optimizer built after ``setup_module`` is already right; one over the meta
         parameters of a model not set up yet is refused, as in Lightning Fabric."""
-        self._remap_optimizer(optimizer)
-        refuse_meta_optimizer(optimizer)
-        self._optimizers.add(optimizer)
-        return optimizer
-
-    def _remap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        def sharded(param: torch.Tensor) -> torch.Tensor:
-            old, new = self._sharded_params.get(id(param), (None, None))
-            return new() if old is not None and old() is param and new() is not None else param
-
-        groups = [[sharded(p) for p in group["params"]] for group in optimizer.param_groups]
-        changed = any(
-            a is not b for group, new in zip(optimizer.param_groups, groups) for a, b in zip(group["params"], new)
-        )
-        if not changed:
-            return
-        if optimizer.state:
-            raise RuntimeError(
-                "This optimizer already holds state (it has stepped) for the unsharded parameters, which FSDP "
-                "replaced. Call `model = fabric.setup_module(model)`, then build the optimizer on model.parameters(), "
-                "then `optimizer = fabric.setup_optimizers(optimizer)`."
-            )
-        for group, params in zip(optimizer.param_groups, groups):
-            group["params"] = params
+        return self._sharding.setup_optimizer(optimizer)
 
     # ------------------------------------------------------------------ the training step
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> ContextManager:
@@ -328,3 +276,58 @@ class FSDPStrategy(ParallelStrategy):
 
     def __repr__(self) -> str:
         return f"FSDPStrategy(device={self.root_device}, state_dict_type={self.state_dict_type!r})"
+
+
+def _check_fsdp1_kwargs(kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+    """The FSDP1 arguments among ``kwargs`` that are ignored, with why; raise for one refused or unknown."""
+    for name in kwargs:
+        if name in FSDP1_REFUSED:
+            raise ValueError(
+                f"FSDPStrategy({name}=...) is an FSDP1 argument FSDP2 has no place for: {FSDP1_REFUSED[name]}."
+            )
+        if name not in FSDP1_IGNORED:
+            raise TypeError(
+                f"FSDPStrategy.__init__() got an unexpected keyword argument {name!r}. Besides its own, it takes "
+                f"these FSDP1 arguments, which FSDP2 has no setting for: {', '.join(FSDP1_IGNORED)}."
+            )
+    return [(name, FSDP1_IGNORED[name]) for name in kwargs]
+
+
+def _mixed_precision_policy(value: Any) -> tuple[MixedPrecisionPolicy | None, list[tuple[str, str]]]:
+    """An FSDP2 ``MixedPrecisionPolicy`` for ``mixed_precision`` (FSDP1's ``MixedPrecision`` translated), and the
+    FSDP1 settings FSDP2 has no place for."""
+    if value is None or isinstance(value, MixedPrecisionPolicy):
+        return value, []
+    from torch.distributed.fsdp import MixedPrecision
+
+    if not isinstance(value, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision={value!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy (or FSDP1's "
+            "MixedPrecision), or None to follow the Fabric precision."
+        )
+    ignored = []
+    if value.buffer_dtype is not None:
+        ignored.append(("mixed_precision.buffer_dtype", "FSDP2 leaves buffers in their own dtype"))
+    if value.keep_low_precision_grads:
+        ignored.append(("mixed_precision.keep_low_precision_grads", "FSDP2 keeps gradients in the parameters' dtype"))
+    cast = value.cast_forward_inputs or value.cast_root_forward_inputs
+    policy = MixedPrecisionPolicy(
+        param_dtype=value.param_dtype, reduce_dtype=value.reduce_dtype, cast_forward_inputs=cast
+    )
+    return policy, ignored
+
+
+def _offload_policy(value: Any) -> tuple[bool, CPUOffloadPolicy | None]:
+    """Whether to offload to the CPU for ``cpu_offload`` (a bool, an FSDP2 ``CPUOffloadPolicy`` or FSDP1's
+    ``CPUOffload``), and the user's own policy, if given."""
+    if isinstance(value, bool) or value is None:
+        return bool(value), None
+    if isinstance(value, CPUOffloadPolicy):
+        return True, value
+    from torch.distributed.fsdp import CPUOffload
+
+    if isinstance(value, CPUOffload):
+        return bool(value.offload_params), None
+    raise TypeError(
+        f"cpu_offload={value!r} must be a bool, a torch.distributed.fsdp.CPUOffloadPolicy or FSDP1's CPUOffload."
+    )

@@ -2,15 +2,17 @@
 ``parallelize_fn(model, mesh)`` applies tensor parallelism (``parallelize_module``) on the mesh's "tensor_parallel"
 dimension and FSDP2 (``fully_shard``) on its "data_parallel" dimension, in that order, as torchtitan does.
 
-Everything after the user's function is FSDP's (``FSDPStrategy``): materialising an empty init's slices,
-optimizers pointed at the new parameters, gradient clipping over DTensors, sharded DCP checkpoints. What differs:
-the mesh, the data (ranks of one tensor-parallel group read the same batch, so metrics sync over the data-parallel
-ranks only), and who parallelizes the model.
+A sibling of ``FSDPStrategy``, as in Lightning (neither is the other, so ``isinstance`` tells them apart); what
+they share is in ``sharding.py``, held or called here: the setup around sharding (materialising an empty init's
+slices, every rank taking rank 0's weights, optimizers pointed at the new parameters), compiling the units, sharded
+DCP checkpoints. What is its own: the mesh, the data (ranks of one tensor-parallel group read the same batch, so
+metrics sync over the data-parallel ranks only), who parallelizes the model, clipping over DTensors of two meshes.
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Mapping
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
@@ -19,14 +21,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fabriclite import collectives
+from fabriclite import checkpoint, collectives
 from fabriclite.plugins.environments import ClusterEnvironment
-from fabriclite.strategies.fsdp import FSDPStrategy
 from fabriclite.strategies.mesh import MESH_DIMS, model_parallel_mesh
-from fabriclite.strategies.sharding import no_gradient_sync
+from fabriclite.strategies.parallel import ParallelStrategy
+from fabriclite.strategies.sharding import ShardedSetup, compile_units, meta_init, no_gradient_sync
 
 
-class ModelParallelStrategy(FSDPStrategy):
+class ModelParallelStrategy(ParallelStrategy):
     """Tensor parallel x FSDP2 with your ``parallelize_fn(model, device_mesh) -> model``.
 
     - ``data_parallel_size`` x ``tensor_parallel_size`` must be the world size; "auto" is the number of nodes x
@@ -61,20 +63,30 @@ class ModelParallelStrategy(FSDPStrategy):
             if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
                 raise ValueError(f"{name}={size!r} must be an int >= 1 or 'auto'.")
         super().__init__(
-            state_dict_type="sharded" if save_distributed_checkpoint else "full",
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
+            process_group_backend,
+            timeout,
+            start_method,
             stall_timeout=stall_timeout,
             cluster_environment=cluster_environment,
         )
         self.parallelize_fn = parallelize_fn
         self.data_parallel_size = data_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
+        self.state_dict_type = "sharded" if save_distributed_checkpoint else "full"
+
+    def _process_state(self) -> dict[str, Any]:
+        return {**super()._process_state(), "mesh": None, "_sharding": ShardedSetup()}
+
+    @property
+    def device_mesh(self) -> Any:
+        """The (data parallel, tensor parallel) mesh; it exists once the processes run."""
+        if self.mesh is None:
+            raise RuntimeError("The device mesh exists once the processes run: call fabric.launch() first.")
+        return self.mesh
 
     def setup_environment(self) -> None:
         """Join the process group and build the 2-D mesh."""
-        super(FSDPStrategy, self).setup_environment()  # the process group; FSDP's 1-D mesh is not wanted here
+        super().setup_environment()
         if self.mesh is not None:
             return
         self.mesh = model_parallel_mesh(self.data_parallel_size, self.tensor_parallel_size, self)
@@ -90,6 +102,28 @@ class ModelParallelStrategy(FSDPStrategy):
         """Ranks of one tensor-parallel group read the same batch: the data is split over the data-parallel ranks."""
         dp_mesh = self.device_mesh["data_parallel"]
         return dp_mesh.size(), dp_mesh.get_local_rank()
+
+    # ------------------------------------------------------------------ building and sharding
+    def module_init_context(self, empty_init: bool | None = None) -> ContextManager:
+        """With ``empty_init``, every rank builds the model on the meta device (no memory); ``setup_module`` then
+        gives each rank storage for the slices ``parallelize_fn`` made, filled by ``reset_parameters()``."""
+        return meta_init() if empty_init else nullcontext()
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Nothing to do here: ``parallelize_fn`` places the slices, and meta tensors cannot be moved."""
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Parallelize ``module`` with ``parallelize_fn``, then give what is still on the meta device its storage
+        and every rank its slice of rank 0's weights."""
+        return self._sharding.setup_module(self, module, self._shard, self.root_device)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point an optimizer built on the model before ``setup_module`` at the new parameters."""
+        return self._sharding.setup_optimizer(optimizer)
+
+    def compile_module(self, module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
+        """Compile each FSDP unit ``parallelize_fn`` made, then the root, in place."""
+        return compile_units(module, kwargs)
 
     def _shard(self, module: nn.Module) -> nn.Module:
         # After an empty init the model is on the meta device on every rank; setup_module materialises the shards
@@ -145,6 +179,14 @@ class ModelParallelStrategy(FSDPStrategy):
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm
+
+    def save_checkpoint(
+        self, path: Any, state: Mapping[str, Any], meta: dict[str, Any], filter: Mapping[str, Callable] | None = None
+    ) -> None:
+        """Write ``state`` plus fabriclite's ``meta``: a folder of shards (``save_distributed_checkpoint=True``) or
+        one file from rank 0, both replacing ``path`` atomically."""
+        sharded = self.state_dict_type == "sharded"
+        checkpoint.save(path, checkpoint.to_checkpoint(state, meta, filter), self, sharded=sharded)
 
     def __repr__(self) -> str:
         sizes = f"data_parallel_size={self.data_parallel_size!r}, tensor_parallel_size={self.tensor_parallel_size!r}"

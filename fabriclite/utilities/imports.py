@@ -109,3 +109,13 @@ def _offered_vec_isas() -> list[str]:
 
     flags = x86_isa_checker()
     return [str(isa) for isa in supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
+
+
+def dynamo_supported() -> bool:
+    """Whether ``torch.compile``'s frame evaluation (dynamo) runs on this Python and platform.
+
+    Usage: ``if not dynamo_supported(): pytest.skip("torch.dynamo")``.
+    """
+    from torch._dynamo.eval_frame import is_dynamo_supported
+
+    return is_dynamo_supported()

@@ -146,12 +146,18 @@ def test_rows_reach_disk_when_a_script_exits_without_calling_finalize(tmp_path):
         assert [row["loss"] for row in csv.DictReader(file)] == ["0.0", "0.5", "1.0"]
 
 
-def test_step_defaults_to_the_number_of_rows_logged_so_far(tmp_path):
-    logger = CSVLogger(tmp_path, flush_logs_every_n_steps=2)
-    for _ in range(5):
-        logger.log_metrics({"loss": 1.0})
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_step_defaults_to_the_rows_not_yet_written_and_the_columns_are_sorted_as_lightnings(root, tmp_path):
+    loggers = pytest.importorskip(root + ".loggers")
+    logger = loggers.CSVLogger(tmp_path, flush_logs_every_n_steps=2)
+    for value in range(5):
+        logger.log_metrics({"zeta": float(value), "alpha": 1.0})
+    logger.log_metrics({"beta": 2.0}, step=7)
     logger.finalize("success")
-    assert [row["step"] for row in read_rows(logger)] == ["0", "1", "2", "3", "4"]
+    with open(os.path.join(logger.log_dir, "metrics.csv"), newline="") as file:
+        header = file.readline().strip()
+    assert header == "alpha,beta,step,zeta"
+    assert [row["step"] for row in read_rows(logger)] == ["0", "1", "0", "1", "0", "7"]
 
 
 def test_prefix_is_joined_to_metric_names_with_a_dash(tmp_path):
@@ -279,7 +285,7 @@ if sys.argv[2] == "break":  # the folder becomes a file before the rows reach th
 def test_rows_not_yet_written_reach_the_disk_when_the_script_ends_without_finalize(tmp_path):
     run_python("-c", EXIT_WITHOUT_FINALIZE, str(tmp_path), "keep", timeout=120)
     lines = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
-    assert lines[0] == "step,loss" and len(lines) == 6
+    assert lines[0] == "loss,step" and len(lines) == 6
 
 
 def test_rows_that_cannot_be_written_at_exit_are_reported_with_the_file_not_dropped_in_silence(tmp_path):
