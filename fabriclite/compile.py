@@ -25,7 +25,12 @@ from typing import Any, Callable
 import torch
 
 from fabriclite._blocks import repeated_blocks
-from fabriclite.utilities.imports import default_compile_backend
+from fabriclite.utilities.imports import (
+    compile_backend,
+    current_compile_id,
+    default_compile_backend,
+    maybe_mark_dynamic,
+)
 
 # After this many forward calls the watch stops: recompiling still then means shapes change every step.
 _WATCHED_CALLS = 8
@@ -117,21 +122,15 @@ class _CountingBackend:
             if mode is None:
                 mode = "default"
         dynamic, name = options.get("dynamic"), options.get("name")
-        if backend == "inductor":
-            wrapper = torch._TorchCompileAOTInductorWrapper if use_aoti else torch._TorchCompileInductorWrapper
-            self.inner = wrapper(mode, inductor_options, dynamic, **({"name": name} if name else {}))
-        else:
-            self.inner = torch._TorchCompileWrapper(backend, mode, inductor_options, dynamic)
+        self.inner = compile_backend(backend, mode, inductor_options, dynamic, name, use_aoti)
         self.__name__ = getattr(self.inner, "compiler_name", "backend")  # what Dynamo's logs call the backend
         self.graphs = 0
         self.break_reasons: list[str] = []
         self._compile_ids: set[Any] = set()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
-        from torch._guards import CompileContext
-
         # DDP's optimizer splits one Dynamo graph into buckets, each handed over on its own within one compile.
-        compile_id = CompileContext.current_compile_id()
+        compile_id = current_compile_id()
         if compile_id is None or compile_id not in self._compile_ids:
             if compile_id is not None:
                 self._compile_ids.add(compile_id)
@@ -166,12 +165,11 @@ def _compile_in_place(block: torch.nn.Module, options: dict[str, Any], mark_batc
     if not mark_batch:
         block._compiled_call_impl = compiled
         return
-    mark = torch._dynamo.maybe_mark_dynamic
 
     def call(*args: Any, **kwargs: Any) -> Any:
         for arg in args:
             if isinstance(arg, torch.Tensor) and arg.dim() > 0:
-                mark(arg, 0)
+                maybe_mark_dynamic(arg, 0)
         return compiled(*args, **kwargs)
 
     block._compiled_call_impl = call

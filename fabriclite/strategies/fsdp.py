@@ -56,6 +56,7 @@ from fabriclite.strategies.sharding import (
     refuse_meta_optimizer,
     warn_uninitialized,
 )
+from fabriclite.utilities.imports import average_gradients_on_gloo, checkpoint_activations
 
 STATE_DICT_TYPES = ("sharded", "full")
 
@@ -180,6 +181,7 @@ class FSDPStrategy(ParallelStrategy):
         old_params = [(name, weakref.ref(p)) for name, p in module.named_parameters()]
         self._uninitialized: list[str] = []
         module = self._shard(module)
+        average_gradients_on_gloo(module)
         if has_meta(module):  # what _shard left on the meta device (ModelParallelStrategy's parallelize_fn)
             self._uninitialized += materialize(module, self._materialize_device)
         warn_uninitialized(self._uninitialized)
@@ -196,10 +198,8 @@ class FSDPStrategy(ParallelStrategy):
     def _shard(self, module: nn.Module) -> nn.Module:
         # Activation checkpointing, then one fully_shard per unit (innermost first), then the root.
         if self.checkpoint_policy is not None:
-            from torch.distributed._composable import checkpoint
-
             for block in [m for m in module.modules() if m is not module and self.checkpoint_policy(m)]:
-                checkpoint(block)
+                checkpoint_activations(block)
         units = (
             repeated_blocks(module)
             if self.wrap_policy is None

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fabriclite.rank_zero import rank_zero_warn
+from fabriclite.utilities.imports import device_constructors
 
 # A set of layer classes, or a function telling whether a module is one unit.
 ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bool], None]
@@ -61,10 +62,8 @@ class _ForceDevice(torch.overrides.TorchFunctionMode):
 
     def __init__(self, device: str) -> None:
         super().__init__()
-        from torch.utils._device import _device_constructors
-
         self.device = torch.device(device)
-        self.constructors = _device_constructors()
+        self.constructors = device_constructors()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
