@@ -142,9 +142,9 @@ def average_gradients_on_gloo(module: torch.nn.Module) -> None:
 
     FSDP2 reduces fp32 and bf16 gradients with an averaging reduce-scatter (``ReduceOp.AVG``). gloo's reduce-scatter
     ignores the operation and sums on torch 2.6, 2.7 and 2.8 (gradients exactly world size times one process's;
-    2.11 and newer average). Asking FSDP2 for sum reductions (``set_force_sum_reduction_for_comms``, torch >= 2.8) makes it
-    divide the gradients itself, which is right on every version, also for hybrid sharding's all-reduce; on NCCL
-    nothing changes.
+    2.11 and newer average). Asking FSDP2 for sum reductions (``set_force_sum_reduction_for_comms``, torch >= 2.8)
+    makes it divide the gradients itself, which is right on every version, also for hybrid sharding's all-reduce;
+    on NCCL nothing changes.
 
     Usage: ``average_gradients_on_gloo(model)`` after ``fully_shard``.
     """
@@ -170,6 +170,6 @@ def dcp_metadata_path(reader: Any, rank: int | None) -> Path:
 
     Usage: ``path = dcp_metadata_path(reader, kwargs.get("rank"))``.
     """
-    if hasattr(reader, "_get_metadata_path"):  # torch >= 2.9
+    if hasattr(reader, "_get_metadata_path"):  # newer torch; 2.8 has no per-rank metadata
         return Path(reader._get_metadata_path(rank))
     return Path(reader.path) / ".metadata"
