@@ -2,7 +2,8 @@
 lists, each in a virtual environment of its own outside the checkout, deleted after its tests. Prints which torch
 ran which tests, then one line per torch and a closing count; exits 1 if any torch failed.
 
-Usage: ``python tools/torch_versions.py`` (the README's second test command; CI runs it after the full suite).
+Usage: ``python tools/torch_versions.py`` (the README's second test command; CI runs it after the full suite);
+``python tools/torch_versions.py 2.15.0`` runs one of them.
 ``python tools/torch_versions.py --prepare`` only builds the environments (CI does that in the background while the
 full suite runs; a later plain run uses those it finds ready). Everything lives in ~/.cache/fabriclite-ci (or
 $FABRICLITE_CI_CACHE): the wheels stay there (``pip download``: the next run downloads nothing), the environments
@@ -24,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = ROOT / "requirements-torch-versions.txt"
 CACHE = Path(os.environ.get("FABRICLITE_CI_CACHE", Path.home() / ".cache" / "fabriclite-ci"))
 WHEELS, ENVIRONMENTS = CACHE / "wheels", CACHE / "environments"
-# What the marked tests import besides torch, numpy and fabriclite itself, and a setuptools that installs this
+# What fabriclite and the marked tests import besides torch (which does not need numpy), and a setuptools that installs this
 # checkout without build isolation (offline; Python 3.11's venv brings one too old to build a wheel).
-TEST_PACKAGES = ["pytest", "pytest-xdist", "pytest-timeout", "pyyaml", "tqdm", "setuptools>=70.1"]
+TEST_PACKAGES = ["numpy", "pytest", "pytest-xdist", "pytest-timeout", "pyyaml", "tqdm", "setuptools>=70.1"]
 NEEDED_GB = 8  # free disk to build one environment
 MARK = "torch_versions"
 
@@ -90,16 +91,11 @@ def run_tests(pins: list[str]) -> tuple[bool, str]:
     python = venv / "bin" / "python"
     try:
         _pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(ROOT), log=CACHE / f"{venv.name}.log")
-        found = subprocess.run(
-            [
-                str(python),
-                "-c",
-                "import numpy, torch, triton; print(torch.__version__, triton.__version__, numpy.__version__)",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.split()
+        probe = "import numpy, torch, triton; print(torch.__version__, triton.__version__, numpy.__version__)"
+        found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+        if found.returncode != 0:
+            raise RuntimeError(f"the environment for {pins[0]} cannot import what it needs: {found.stderr[-2000:]}")
+        found = found.stdout.split()
         files = marked_files()
         print(f"==== torch {found[0]} (triton {found[1]}, numpy {found[2]}) runs pytest -m {MARK} on:", flush=True)
         print("     " + " ".join(files), flush=True)
@@ -125,9 +121,10 @@ def run_tests(pins: list[str]) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prepare", action="store_true", help="only build the environments, as disk allows")
+    parser.add_argument("only", nargs="*", help="run only these torch versions of the list (2.15.0)")
     args = parser.parse_args(argv)
-    lines = versions()
-    listed = {folder(pins).name for pins in lines}
+    lines = [pins for pins in versions() if not args.only or pins[0].split("==")[1] in args.only]
+    listed = {folder(pins).name for pins in versions()}
     for stale in ENVIRONMENTS.glob("*") if ENVIRONMENTS.exists() else []:  # versions no longer listed
         if stale.name not in listed:
             shutil.rmtree(stale, ignore_errors=True)
