@@ -42,6 +42,14 @@ def folder(pins: list[str]) -> Path:
     return ENVIRONMENTS / pins[0].replace("==", "-")
 
 
+def remove(venv: Path) -> None:
+    """Delete an environment this tool built (a folder with a pyvenv.cfg); anything else there is left alone."""
+    if (venv / "pyvenv.cfg").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+    elif venv.exists():
+        raise RuntimeError(f"{venv} is in the way and was not built by this tool; move it, then run again.")
+
+
 def _pip(python: Path, *args: str, log: Path) -> None:
     # Every torch here is pinned exactly, so a machine-wide cap on torch releases (a pip constraint file in pip's
     # configuration) is lifted for these calls: it would refuse the newest release.
@@ -55,7 +63,7 @@ def prepare(pins: list[str]) -> Path:
     venv = folder(pins)
     if (venv / "ready").exists():
         return venv
-    shutil.rmtree(venv, ignore_errors=True)  # what a killed run left half built
+    remove(venv)  # what a killed run left half built
     ENVIRONMENTS.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(ENVIRONMENTS).free / 1e9
     if free < NEEDED_GB:
@@ -115,7 +123,7 @@ def run_tests(pins: list[str]) -> tuple[bool, str]:
         ok = child.wait() == 0
         return ok, f"torch {found[0]}: {closing or f'pytest exited {child.returncode}'}"
     finally:
-        shutil.rmtree(venv, ignore_errors=True)
+        remove(venv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lines = [pins for pins in versions() if not args.only or pins[0].split("==")[1] in args.only]
     listed = {folder(pins).name for pins in versions()}
-    for stale in ENVIRONMENTS.glob("*") if ENVIRONMENTS.exists() else []:  # versions no longer listed
-        if stale.name not in listed:
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in ENVIRONMENTS.glob("torch-*") if ENVIRONMENTS.exists() else []:  # versions no longer listed
+        if stale.name not in listed and (stale / "pyvenv.cfg").exists():
+            remove(stale)
     if args.prepare:
         os.nice(10)  # beside the full suite: let it have the cores first
         for pins in lines:
