@@ -40,10 +40,13 @@ import torch
 
 from fabriclite._blocks import repeated_blocks
 from fabriclite.utilities.imports import (
+    compile_backend,
+    current_compile_id,
     default_compile_backend,
     inductor_cache_dir,
     inductor_vec_isa_all_pass,
     inductor_vec_isa_fingerprint,
+    maybe_mark_dynamic,
 )
 
 # After this many forward calls the watch stops: recompiling still then means shapes change every step.
@@ -139,21 +142,15 @@ class _CountingBackend:
         if backend == "inductor" and device.type == "cpu" and "cpp.vec_isa_ok" not in (inductor_options or {}):
             inductor_options = {**(inductor_options or {}), **_vec_isa_option()}
         dynamic, name = options.get("dynamic"), options.get("name")
-        if backend == "inductor":
-            wrapper = torch._TorchCompileAOTInductorWrapper if use_aoti else torch._TorchCompileInductorWrapper
-            self.inner = wrapper(mode, inductor_options, dynamic, **({"name": name} if name else {}))
-        else:
-            self.inner = torch._TorchCompileWrapper(backend, mode, inductor_options, dynamic)
+        self.inner = compile_backend(backend, mode, inductor_options, dynamic, name, use_aoti)
         self.__name__ = getattr(self.inner, "compiler_name", "backend")  # what Dynamo's logs call the backend
         self.graphs = 0
         self.break_reasons: list[str] = []
         self._compile_ids: set[Any] = set()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
-        from torch._guards import CompileContext
-
         # DDP's optimizer splits one Dynamo graph into buckets, each handed over on its own within one compile.
-        compile_id = CompileContext.current_compile_id()
+        compile_id = current_compile_id()
         if compile_id is None or compile_id not in self._compile_ids:
             if compile_id is not None:
                 self._compile_ids.add(compile_id)
@@ -224,7 +221,6 @@ def _compile_in_place(
     # graph (Dynamo guards on the grad mode and on ``training``), for a loop that runs far less often.
     compiled = torch.compile(block._call_impl, **options)
     eager = block._call_impl
-    mark = torch._dynamo.maybe_mark_dynamic
 
     def call(*args: Any, **kwargs: Any) -> Any:
         trains = block.training and torch.is_grad_enabled()
@@ -235,7 +231,7 @@ def _compile_in_place(
         if mark_batch:
             for arg in args:
                 if isinstance(arg, torch.Tensor) and arg.dim() > 0:
-                    mark(arg, 0)
+                    maybe_mark_dynamic(arg, 0)
         return compiled(*args, **kwargs)
 
     block._compiled_call_impl = call

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import triton
 
-from fabriclite.utilities.imports import triton_op_available, wrap_triton_enabled
+from fabriclite.utilities.imports import wrap_triton_enabled
 
 # Kernel launches by kernel name. Tests read it to prove a Triton kernel ran (there is no torch fallback to hide
 # behind); it costs one dict update per launch.
@@ -45,11 +45,11 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     kernel[grid](*args, **meta)
 
 
-# Library ops (what traced code calls): ``torch.library.triton_op`` where the kernels are compiled and this torch has
-# it, so that torch.compile sees the Triton kernels inside each op and Inductor launches them from its own code, with
-# no Python dispatch per call; a ``custom_op`` otherwise (under Triton's interpreter, whose kernels cannot be traced),
-# which runs the op's Python body. Decided once, at import, as the interpreter itself is.
-TRITON_OPS = not INTERPRET and triton_op_available()
+# Library ops (what traced code calls): ``torch.library.triton_op`` where the kernels are compiled, so that
+# torch.compile sees the Triton kernels inside each op and Inductor launches them from its own code, with no Python
+# dispatch per call; a ``custom_op`` under Triton's interpreter (its kernels cannot be traced), which runs the op's
+# Python body. Decided once, at import, as the interpreter itself is.
+TRITON_OPS = not INTERPRET
 
 
 def library_op(name: str, fake: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:

@@ -1,9 +1,10 @@
 """The shape of the package, checked from its source: the layers only point down (no import cycle, no import up
 the layer table of docs/architecture.md, imports inside functions counted), each strategy name is written once,
-``utilities/`` only re-exports, no module grows past 500 lines, and ``Fabric.launch`` asks its launcher, not its
-type."""
+``utilities/`` only re-exports (except the version module, ``utilities/imports.py``), no private torch name is used
+outside the version module, no module grows past 500 lines, and ``Fabric.launch`` asks its launcher, not its type."""
 
 import ast
+import re
 import shutil
 import sys
 
@@ -13,6 +14,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import import_graph  # noqa: E402
 
 MAX_LINES = 500
+VERSION_MODULE = ROOT / "fabriclite" / "utilities" / "imports.py"
 
 
 def test_no_import_cycle_among_the_package_modules():
@@ -40,7 +42,7 @@ def test_imports_inside_functions_and_relative_imports_count(tmp_path, monkeypat
 
 def test_no_import_runs_up_the_layer_table_and_every_module_has_a_row():
     table = import_graph.layers(import_graph.ARCHITECTURE.read_text())
-    assert ["choices.py"] == table[0] and "strategies/" in table[-4]  # the table was read: lowest row first
+    assert ["utilities/imports.py"] == table[0] and "strategies/" in table[-4]  # the table was read: lowest first
     assert import_graph.upward_imports(import_graph.graph(), table) == []
 
 
@@ -85,6 +87,8 @@ def test_the_utilities_folder_only_re_exports_the_core():
     # Lightning's import paths: a docstring, imports and __all__, so each helper has one home outside utilities/.
     defining = {}
     for path in sorted((ROOT / "fabriclite" / "utilities").glob("*.py")):
+        if path == VERSION_MODULE:  # Lightning's path for the version flags; the lowest layer, not a re-export
+            continue
         body = ast.parse(path.read_text()).body
         kept = [
             node
@@ -96,6 +100,82 @@ def test_the_utilities_folder_only_re_exports_the_core():
         if kept:
             defining[path.name] = [ast.unparse(node).splitlines()[0] for node in kept]
     assert len(list((ROOT / "fabriclite" / "utilities").glob("*.py"))) >= 5 and defining == {}
+
+
+def _is_private(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return parts[0] == "torch" and any(p.startswith("_") and not p.endswith("__") for p in parts[1:])
+
+
+def private_torch_names(source: str) -> list[str]:
+    """Each private torch name ``source`` uses: imported (``import torch._dynamo``, ``from torch.utils._device
+    import x``, ``from torch.x import _y``), reached as an attribute of something imported from torch
+    (``torch._dynamo.reset``, ``dist._make_nccl_premul_sum``, ``FileSystemReader._get_metadata_path``), or named
+    in a string (``sys.modules.get("torch._dynamo")``)."""
+    tree = ast.parse(source)
+    imported: dict[str, str] = {}  # local name -> the torch name it stands for
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    imported[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+                    found += [f"{node.lineno}: import {alias.name}"] if _is_private(alias.name) else []
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            for alias in node.names:
+                imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                if _is_private(f"{node.module}.{alias.name}"):
+                    found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"torch(\.\w+)+", node.value) and _is_private(node.value):
+                found.append(f"{node.lineno}: {node.value!r}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(f"torch.{node.attr}"):
+            chain, root = [node.attr], node.value
+            while isinstance(root, ast.Attribute):
+                chain.insert(0, root.attr)
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in imported:
+                found.append(f"{node.lineno}: {'.'.join([root.id, *chain])}")
+    return sorted(found, key=lambda line: int(line.split(":")[0]))
+
+
+def test_no_private_torch_name_is_used_outside_the_version_module():
+    used = {
+        str(path.relative_to(ROOT)): names
+        for folder in ("fabriclite", "kernels")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != VERSION_MODULE and (names := private_torch_names(path.read_text()))
+    }
+    assert used == {}, "use these through fabriclite/utilities/imports.py, which knows which torch versions have them"
+    assert len(private_torch_names(VERSION_MODULE.read_text())) >= 5  # the finder sees the ones that belong there
+
+
+def test_the_private_torch_name_finder_finds_each_way_of_using_one():
+    source = """
+import torch
+import torch.distributed as dist
+import torch._dynamo
+from torch._guards import CompileContext
+from torch.utils import _device
+from torch.distributed.checkpoint import FileSystemReader
+import sys
+
+torch._dynamo.reset()
+dist._make_nccl_premul_sum(0.5)
+FileSystemReader._get_metadata_path
+sys.modules.get("torch._inductor")
+torch.__version__, torch.nn.Linear, dist.all_reduce, sys._getframe, "torch._dynamo is private: say so in text"
+"""
+    assert private_torch_names(source) == [
+        "4: import torch._dynamo",
+        "5: from torch._guards import CompileContext",
+        "6: from torch.utils import _device",
+        "10: torch._dynamo",
+        "11: dist._make_nccl_premul_sum",
+        "12: FileSystemReader._get_metadata_path",
+        "13: 'torch._inductor'",
+    ]
 
 
 def test_no_module_is_longer_than_500_lines():

@@ -31,6 +31,7 @@ def train_step(state):
     state["step"] += 1
 
 
+@pytest.mark.torch_versions
 def test_save_and_load_restore_modules_optimizers_schedulers_and_values(tmp_path):
     fabric, state = setup_state(0)
     for _ in range(3):
@@ -86,6 +87,7 @@ def test_filter_keeps_only_the_chosen_entries(tmp_path):
         fabric.save(tmp_path / "c.ckpt", {"model": state["model"]}, filter={"other": lambda n, v: True})
 
 
+@pytest.mark.torch_versions
 def test_load_raw_reads_a_plain_state_dict(tmp_path):
     source = nn.Linear(3, 2)
     torch.save(source.state_dict(), tmp_path / "w.pt")
@@ -103,6 +105,7 @@ def test_a_missing_file_gives_one_clear_error_naming_it(tmp_path):
         fabric.load(tmp_path / "nope.ckpt", {})
 
 
+@pytest.mark.torch_versions
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
 def test_a_truncated_or_corrupt_file_gives_one_clear_error_naming_it(tmp_path, damage):
     fabric, state = setup_state()
@@ -118,6 +121,7 @@ class Custom:
     pass
 
 
+@pytest.mark.torch_versions
 def test_weights_only_loading_refuses_arbitrary_objects_unless_trusted(tmp_path):
     torch.save({"obj": Custom()}, tmp_path / "c.ckpt")
     fabric = Fabric(accelerator="cpu")
@@ -140,6 +144,7 @@ def test_save_refuses_a_directory_path(tmp_path):
     assert caught.value.reason == "unwritable" and caught.value.path == str(tmp_path)
 
 
+@pytest.mark.torch_versions
 def test_a_failed_save_leaves_the_previous_file_and_no_temporary(tmp_path):
     path = tmp_path / "c.ckpt"
     atomic_save({"version": 1}, path)

@@ -88,6 +88,7 @@ def test_compile_true_with_inductor_trains_like_eager_and_reports_one_graph():
     assert report["graphs"] == 1 and report["graph_breaks"] == 0 and report["recompiles"] == 0
 
 
+@pytest.mark.torch_versions
 def test_repeated_blocks_are_compiled_once_and_train_like_eager():
     eager = train(Fabric(accelerator="cpu"), model=Tower())
     fabric = Fabric(accelerator="cpu", compile=True)
@@ -100,6 +101,7 @@ def test_repeated_blocks_are_compiled_once_and_train_like_eager():
     assert report["graphs"] == 1 and report["graph_breaks"] == 0 and report["recompiles"] == 0
 
 
+@pytest.mark.torch_versions
 def test_regional_false_and_models_without_repeated_blocks_compile_whole():
     fabric = Fabric(accelerator="cpu", compile={**EAGER, "regional": False})
     whole = train(fabric, steps=1, model=Tower())
@@ -109,6 +111,7 @@ def test_regional_false_and_models_without_repeated_blocks_compile_whole():
     assert fabric.compile_report()[0]["compiled"] == "whole" and fabric.compile_report()[0]["regions"] == []
 
 
+@pytest.mark.torch_versions
 def test_partial_batches_and_new_eval_sizes_do_not_recompile():
     fabric = Fabric(accelerator="cpu", compile=EAGER)
     model = train(fabric, steps=3, shapes=[8, 8, 5], model=Tower())  # the last training batch is partial
@@ -241,6 +244,7 @@ def test_state_dict_keys_stay_the_models_under_compile():
     assert list(wrapped.state_dict()) == keys
 
 
+@pytest.mark.torch_versions
 def test_a_model_compiled_by_the_user_keeps_working_and_is_not_compiled_twice():
     fabric = Fabric(accelerator="cpu", compile=EAGER)
     model = net()
@@ -255,6 +259,7 @@ def test_a_model_compiled_by_the_user_keeps_working_and_is_not_compiled_twice():
         fabric.setup(wrapped)
 
 
+@pytest.mark.torch_versions
 def test_graph_breaks_are_counted_with_their_reason():
     fabric = Fabric(accelerator="cpu", compile=EAGER)
     model = fabric.setup(Chatty())
@@ -264,6 +269,7 @@ def test_graph_breaks_are_counted_with_their_reason():
     assert any("print" in reason or "builtin" in reason for reason in report["break_reasons"])
 
 
+@pytest.mark.torch_versions
 def test_each_model_reports_only_what_was_compiled_for_it():
     fabric = Fabric(accelerator="cpu", compile=EAGER)
     tower = fabric.setup(Tower())
@@ -324,6 +330,7 @@ def test_fabriclite_never_patches_torch_compile():
     assert run_python("-c", importing, timeout=120).stdout.strip() == "True"
 
 
+@pytest.mark.torch_versions
 def test_compile_with_kernels_leaves_the_norms_to_inductor_and_says_so(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

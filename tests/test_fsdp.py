@@ -68,6 +68,26 @@ def two_process_run(checkpoints):
 
 
 @pytest.fixture(scope="module")
+def gradients_run(tmp_path_factory):
+    return run_python(str(SCRIPTS / "sharded_gradients.py"), str(tmp_path_factory.mktemp("gradients")), timeout=300)
+
+
+@pytest.mark.torch_versions
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp 2x1", "hsdp 1x2", "tp"])
+def test_sharded_gradients_and_weights_equal_one_process_on_the_whole_batch(gradients_run, mode):
+    # FSDP2 on torch 2.8 over gloo summed the two ranks' gradients (2x) until fabriclite asked it to divide itself.
+    steps = [f"weights after step {step} equal one process's" for step in (1, 2, 3)]
+    assert_passed(gradients_run.stdout, [f"{mode}: {name}" for name in ["gradients equal one process's", *steps]])
+
+
+@pytest.mark.torch_versions
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp 2x1", "hsdp 1x2", "tp"])
+def test_a_sharded_or_full_checkpoint_of_each_layout_resumes_exactly(gradients_run, mode):
+    names = ["a checkpoint loads the weights saved", "the loaded model and optimizer step as the saved ones"]
+    assert_passed(gradients_run.stdout, [f"{mode}: {name}" for name in names])
+
+
+@pytest.fixture(scope="module")
 def one_process_run(two_process_run, checkpoints):
     return run_python(str(SCRIPTS / "fsdp_load_one.py"), str(checkpoints), timeout=180).stdout
 

@@ -33,6 +33,7 @@ def setup(precision, model=None):
     return fabric, wrapped_model, wrapped_opt
 
 
+@pytest.mark.torch_versions
 def test_bf16_mixed_runs_the_forward_under_autocast_and_returns_fp32():
     _, model, _ = setup("bf16-mixed")
     seen = []
@@ -51,6 +52,7 @@ def test_32_true_leaves_everything_in_fp32():
 @pytest.mark.parametrize(
     ("name", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("64-true", torch.float64)]
 )
+@pytest.mark.torch_versions
 def test_true_precisions_convert_weights_and_inputs(name, dtype):
     _, model, _ = setup(name)
     seen = []
@@ -74,6 +76,7 @@ class ExpectsDtype(nn.Module):
         return self.layer(x)
 
 
+@pytest.mark.torch_versions
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
 def test_mixed_precision_casts_floating_inputs_to_the_autocast_dtype(precision, dtype):
     fabric = cpu_fabric(precision)
@@ -157,6 +160,7 @@ def test_bf16_on_a_cuda_device_without_bf16_suggests_16_mixed(monkeypatch):
         select_precision("bf16-mixed", torch.device("cuda", 0))
 
 
+@pytest.mark.torch_versions
 @pytest.mark.parametrize("name", ["16-mixed", "16-true"])
 def test_the_scaler_skips_a_step_with_inf_gradients_and_backs_off(name):
     fabric, model, optimizer = setup(name)
@@ -190,6 +194,7 @@ def test_the_scale_grows_after_growth_interval_good_steps():
     assert scaler.get_scale() == scale * 2
 
 
+@pytest.mark.torch_versions
 def test_16_mixed_scales_the_loss_on_backward():
     fabric, model, optimizer = setup("16-mixed")
     reference = tiny()
@@ -232,6 +237,7 @@ def test_clip_gradients_by_value_clamps_each_gradient():
     assert max(p.grad.abs().max().item() for p in model.parameters()) <= 0.01
 
 
+@pytest.mark.torch_versions
 def test_clip_gradients_unscales_first_under_16_mixed():
     fabric, model, optimizer = setup("16-mixed")
     reference = tiny()
@@ -295,6 +301,7 @@ def test_init_tensor_uses_the_precision_dtype():
     assert t.dtype == torch.float64
 
 
+@pytest.mark.torch_versions
 def test_scaler_state_is_saved_and_restored(tmp_path):
     fabric, model, optimizer = setup("16-mixed")
     fabric.backward(model(torch.randn(2, 4)).sum() * float("inf"))
@@ -385,6 +392,7 @@ def _train_weights(**fabric_kwargs):
         (lambda p: p.FSDPPrecision("32-true"), "32-true"),
     ],
 )
+@pytest.mark.torch_versions
 def test_lightnings_precision_plugins_train_as_the_precision_they_name(plugin, name):
     import fabriclite.plugins as plugins
 

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from fabriclite.checkpoint.errors import CheckpointError
+from fabriclite.utilities.imports import dcp_metadata_path
 
 # Everything a .metadata that DCP writes for tensors is built from (plus torch's dtypes, checked by type).
 _METADATA_CLASSES = {
@@ -74,7 +75,7 @@ class SafeReader(FileSystemReader):
         self.refusal: CheckpointError | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        path = dcp_metadata_path(self, kwargs.get("rank"))
         try:
             metadata = self._read(path)
         except CheckpointError as error:

@@ -66,26 +66,14 @@ def __getattr__(name: str) -> Any:
 
         return DataParallelStrategy
     if name == "FSDPStrategy":
-        return _fsdp_strategy_class()
+        from fabriclite.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy
     if name == "ModelParallelStrategy":
-        _fsdp_strategy_class()  # the same torch requirement, with its clear error
         from fabriclite.strategies.model_parallel import ModelParallelStrategy
 
         return ModelParallelStrategy
     raise AttributeError(f"module 'fabriclite.strategies' has no attribute {name!r}")
-
-
-def _fsdp_strategy_class() -> type:
-    try:
-        from fabriclite.strategies.fsdp import FSDPStrategy
-    except ImportError as err:  # FSDP2's public fully_shard arrived in torch 2.6
-        import torch
-
-        raise RuntimeError(
-            f"strategy='fsdp' uses FSDP2 (torch.distributed.fsdp.fully_shard), which needs torch >= 2.6; this is "
-            f"torch {torch.__version__} ({err}). Upgrade torch, or use strategy='ddp'."
-        ) from err
-    return FSDPStrategy
 
 
 def parse_strategy(strategy: Any) -> Any:

@@ -12,6 +12,8 @@ Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one
   fp32; ops on other fp32 tensors run in the low dtype). Gradients are reduced in fp32 into fp32 shards, and
   outputs come back in fp32.
 - Optimizers built on the unsharded model are pointed at the shards (same groups, order and hyperparameters).
+- Over gloo, FSDP2 sums the gradients and divides them itself (``average_gradients_on_gloo``): gloo's
+  reduce-scatter summed where FSDP2 asked for an average on torch 2.8 (2x the gradients on 2 ranks).
 - ``init_module(empty_init=True)``: every rank builds the model on the meta device (no memory). ``setup_module``
   then, unit by unit, gives the unit's tensors storage, fills them with its modules' ``reset_parameters()`` (the
   same numbers on every rank) and shards it at once, so a rank holds its shards plus one unit in full at most. The
@@ -55,6 +57,7 @@ from fabriclite.strategies.sharding import (
     module_policy,
     no_gradient_sync,
 )
+from fabriclite.utilities.imports import checkpoint_activations
 
 STATE_DICT_TYPES = ("sharded", "full")
 
@@ -193,10 +196,8 @@ class FSDPStrategy(ParallelStrategy):
     def _shard(self, module: nn.Module) -> nn.Module:
         # Activation checkpointing, then one fully_shard per unit (innermost first), then the root.
         if self.checkpoint_policy is not None:
-            from torch.distributed._composable import checkpoint
-
             for block in [m for m in module.modules() if m is not module and self.checkpoint_policy(m)]:
-                checkpoint(block)
+                checkpoint_activations(block)
         units = (
             repeated_blocks(module)
             if self.wrap_policy is None

@@ -29,6 +29,7 @@ from fabriclite.plugins.environments import (
     detect_environment,
 )
 from fabriclite.strategies.strategy import Strategy
+from fabriclite.utilities.imports import reset_compiler
 from fabriclite.watchdog import StallWatchdog, saying_who_has_not_joined
 
 # How a launch starts the processes: run the script again ("popen" is Lightning's name for it), or multiprocessing.
@@ -178,9 +179,7 @@ class ParallelStrategy(Strategy):
         # Objects still holding the group (compiled graphs, device meshes, reference cycles) would keep its gloo
         # threads alive into interpreter finalization, where destroying them can abort the process. Release them
         # while the interpreter is still whole.
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is not None:
-            dynamo.reset()
+        reset_compiler()
         gc.collect()
         dist.destroy_process_group()
         gc.collect()

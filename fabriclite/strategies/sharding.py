@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fabriclite.rank_zero import rank_zero_warn
+from fabriclite.utilities.imports import average_gradients_on_gloo, device_constructors
 
 if TYPE_CHECKING:  # importing FSDP is slow; materialize_meta_tensors is also used without it
     from torch.distributed.fsdp import FSDPModule
@@ -66,10 +67,8 @@ class _ForceDevice(torch.overrides.TorchFunctionMode):
 
     def __init__(self, device: str) -> None:
         super().__init__()
-        from torch.utils._device import _device_constructors
-
         self.device = torch.device(device)
-        self.constructors = _device_constructors()
+        self.constructors = device_constructors()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -240,6 +239,7 @@ class ShardedSetup:
         old_params = [(name, weakref.ref(p)) for name, p in module.named_parameters()]
         self.uninitialized = []
         module = shard(module)
+        average_gradients_on_gloo(module)  # FSDP2 units over gloo sum and divide themselves (torch 2.8 summed)
         if has_meta(module):  # what shard left on the meta device (a parallelize_fn's)
             self.uninitialized += materialize(module, device)
         warn_uninitialized(self.uninitialized)

@@ -1,19 +1,32 @@
 """What differs between the torch versions fabriclite supports, in one place (Lightning Fabric keeps its version
 flags at this path too: ``lightning.fabric.utilities.imports``).
 
-Every private torch name fabriclite uses, and every public one younger than the oldest supported torch, is reached
-through this module, which knows which versions have it and does the right thing on each. The rest of the code reads
-as if there were one torch.
+Every private torch name fabriclite uses (``torch._...``), and every public one younger than the oldest supported
+torch, is reached through this module, which knows which versions have it and does the right thing on each. The
+rest of the code reads as if there were one torch. ``tests/test_architecture.py`` fails on a private torch name
+used anywhere else.
 
-Usage: ``from fabriclite.utilities.imports import default_compile_backend``.
+Supported: torch 2.8 to 2.15 (CI runs the version-sensitive tests on 2.8, 2.11 and 2.15, the whole suite on 2.13).
+Not older, because FSDP2 on CPU (gloo), the only place CI can run it, cannot be made right there: on 2.6 it fails
+at its first backward (CPU streams have no ``record_event``); on 2.7 gloo's reduce-scatter sums the gradients FSDP2
+asks it to average (2x at 2 ranks), its all-reduce refuses to average (hybrid sharding fails), and FSDP2 cannot yet
+be told to sum and divide itself. ``import fabriclite`` with an older torch raises an ``ImportError`` saying so.
+
+This module imports nothing of fabriclite, so every layer may import it. Usage:
+``from fabriclite.utilities.imports import default_compile_backend``.
 """
 
 from __future__ import annotations
 
+import inspect
 import platform
 import sys
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
+
+TORCH_FLOOR = (2, 8)  # why not older: this module's docstring
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -21,13 +34,34 @@ def _version_tuple(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def check_torch_version(version: str = torch.__version__) -> None:
+    """Raise ``ImportError`` naming the installed and the needed torch when ``version`` is below the floor.
+
+    Usage: ``check_torch_version()`` (``import fabriclite`` runs it).
+    """
+    if _version_tuple(version) < TORCH_FLOOR:
+        needed = ".".join(map(str, TORCH_FLOOR))
+        raise ImportError(
+            f"fabriclite needs torch >= {needed}, the oldest torch it is tested with, but torch {version} is "
+            f"installed. Upgrade torch: pip install 'torch>={needed}' (README.md, 'Supported torch versions')."
+        )
+
+
+check_torch_version()
+
 _TORCH_VERSION = _version_tuple(torch.__version__)
 _IS_WINDOWS = platform.system() == "Windows"
 _IS_INTERACTIVE = hasattr(sys, "ps1") or bool(sys.flags.interactive)
+# Lightning's flags, which code written for Lightning Fabric (LitGPT) imports from here.
 _TORCH_GREATER_EQUAL_2_3 = _TORCH_VERSION >= (2, 3)
 _TORCH_GREATER_EQUAL_2_4 = _TORCH_VERSION >= (2, 4)
 
 
+def _needs(feature: str, version: str) -> RuntimeError:
+    return RuntimeError(f"{feature} needs torch >= {version}; this is torch {torch.__version__}. Upgrade torch.")
+
+
+# ---------------------------------------------------------------------- torch.compile
 def default_compile_backend() -> str:
     """The backend ``torch.compile`` uses when none is given: ``get_default_backend()`` where torch has it (2.13
     and newer, where it can be configured), else ``"inductor"``, which every older torch uses.
@@ -41,20 +75,52 @@ def default_compile_backend() -> str:
     return get_default_backend()
 
 
-def triton_op_available() -> bool:
-    """Whether ``torch.library.triton_op`` and ``wrap_triton`` exist (torch 2.6 and newer): an op registered with
-    them shows torch.compile the Triton kernels inside it, which Inductor then launches from its own code."""
-    return hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
+def compile_backend(
+    backend: Any, mode: str | None, options: dict | None, dynamic: Any, name: str | None, use_aoti: bool
+) -> Callable[..., Any]:
+    """The backend object ``torch.compile`` builds from its arguments (torch/__init__.py's private wrappers):
+    inductor, inductor ahead of time (``options={"use_aoti": True}``, torch >= 2.11) or any other backend.
+
+    Usage: ``inner = compile_backend("inductor", "default", None, None, None, False)``.
+    """
+    if backend != "inductor":
+        return torch._TorchCompileWrapper(backend, mode, options, dynamic)
+    if use_aoti:
+        if not hasattr(torch, "_TorchCompileAOTInductorWrapper"):
+            raise _needs("torch.compile(options={'use_aoti': True})", "2.11")
+        wrapper = torch._TorchCompileAOTInductorWrapper
+    else:
+        wrapper = torch._TorchCompileInductorWrapper
+    if name and "name" in inspect.signature(wrapper).parameters:  # torch >= 2.13 names its compiled code
+        return wrapper(mode, options, dynamic, name=name)
+    return wrapper(mode, options, dynamic)
 
 
-try:
-    # True while torch.compile traces the body of a ``triton_op``: a kernel launched then must go through
-    # ``torch.library.wrap_triton`` to land in the graph.
-    from torch._library.triton import is_wrap_triton_enabled as wrap_triton_enabled
-except ImportError:  # torch < 2.6: no triton_op, so never
+def current_compile_id() -> Any:
+    """The id of the compile Dynamo is running now (None outside one). Usage: in a backend, ``current_compile_id()``."""
+    from torch._guards import CompileContext
 
-    def wrap_triton_enabled() -> bool:
-        return False
+    return CompileContext.current_compile_id()
+
+
+def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Tell Dynamo that ``dim`` of ``tensor`` may change size, without failing if it does not.
+
+    Usage: ``maybe_mark_dynamic(batch, 0)`` before calling a compiled function, outside the traced code.
+    """
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def reset_compiler() -> None:
+    """Drop Dynamo's compiled code and caches, if Dynamo was ever imported. Usage: ``reset_compiler()``."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+
+
+# True while torch.compile traces the body of a ``torch.library.triton_op`` (every supported torch has them): a
+# kernel launched then must go through ``torch.library.wrap_triton`` to land in the graph.
+from torch._library.triton import is_wrap_triton_enabled as wrap_triton_enabled  # noqa: E402
 
 
 def inductor_cache_dir() -> str:
@@ -119,3 +185,60 @@ def dynamo_supported() -> bool:
     from torch._dynamo.eval_frame import is_dynamo_supported
 
     return is_dynamo_supported()
+
+
+# ---------------------------------------------------------------------- building and sharding models
+def device_constructors() -> set[Callable[..., Any]]:
+    """The torch functions that create a tensor and take ``device=`` (what ``with torch.device(...)`` redirects).
+
+    Usage: ``if func in device_constructors(): kwargs["device"] = device``.
+    """
+    from torch.utils._device import _device_constructors
+
+    return _device_constructors()
+
+
+def checkpoint_activations(module: torch.nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of keeping them (the composable ``checkpoint``,
+    which FSDP2 composes with). Usage: ``checkpoint_activations(block)``."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
+
+
+def average_gradients_on_gloo(module: torch.nn.Module) -> None:
+    """Make every FSDP2 unit of ``module`` whose mesh runs over gloo average its gradients right.
+
+    FSDP2 reduces fp32 and bf16 gradients with an averaging reduce-scatter (``ReduceOp.AVG``). gloo's reduce-scatter
+    ignores the operation and sums on torch 2.6, 2.7 and 2.8 (gradients exactly world size times one process's;
+    2.11 and newer average). Asking FSDP2 for sum reductions (``set_force_sum_reduction_for_comms``, torch >= 2.8)
+    makes it divide the gradients itself, which is right on every version, also for hybrid sharding's all-reduce;
+    on NCCL nothing changes.
+
+    Usage: ``average_gradients_on_gloo(model)`` after ``fully_shard``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        param = next(unit.parameters(), None)
+        if not isinstance(param, DTensor):
+            continue
+        mesh = param.device_mesh
+        if any("gloo" in dist.get_backend(mesh.get_group(dim)) for dim in range(mesh.ndim)):
+            unit.set_force_sum_reduction_for_comms(True)
+
+
+# ---------------------------------------------------------------------- checkpoints
+def dcp_metadata_path(reader: Any, rank: int | None) -> Path:
+    """The ``.metadata`` file a ``torch.distributed.checkpoint`` ``FileSystemReader`` reads (one per rank with
+    ``rank``, where torch supports that).
+
+    Usage: ``path = dcp_metadata_path(reader, kwargs.get("rank"))``.
+    """
+    if hasattr(reader, "_get_metadata_path"):  # newer torch; 2.8 has no per-rank metadata
+        return Path(reader._get_metadata_path(rank))
+    return Path(reader.path) / ".metadata"

@@ -7,6 +7,8 @@ from kernel_checks import DEVICE, launched
 
 from fabriclite.kernels import add_layer_norm, bias_gelu, cross_entropy, layer_norm, rms_norm
 
+pytestmark = pytest.mark.torch_versions  # also run on the other torch versions CI tests
+
 
 def _leaf(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE, requires_grad=True)

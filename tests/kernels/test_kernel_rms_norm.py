@@ -7,6 +7,8 @@ from kernel_checks import DEVICE, assert_matches, launched, leaf_pair
 
 from fabriclite.kernels import RMSNorm, rms_norm
 
+pytestmark = pytest.mark.torch_versions  # also run on the other torch versions CI tests
+
 FORWARD = "_norm_forward_kernel"
 BACKWARD = "_norm_backward_kernel"
 DTYPES = [torch.float32, torch.bfloat16]

@@ -8,6 +8,8 @@ from torch import nn
 from fabriclite.kernels import LayerNorm, RMSNorm, kernels_available, swap, swap_modules
 from fabriclite.kernels.swap import ops_to_swap
 
+pytestmark = pytest.mark.torch_versions  # also run on the other torch versions CI tests
+
 
 class _CustomNorm(nn.LayerNorm):
     """A user's subclass: its forward may differ, so it must be left alone."""

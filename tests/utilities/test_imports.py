@@ -1,0 +1,61 @@
+"""The version module (``fabriclite.utilities.imports``): the oldest torch it accepts is the one pyproject.toml,
+the README and CI name, an older one is refused at import saying which is installed and which is needed, and the
+fallbacks it keeps for versions that lack a torch name."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, python_env
+from torch.distributed.checkpoint import FileSystemReader
+
+from fabriclite.utilities.imports import TORCH_FLOOR, check_torch_version, dcp_metadata_path
+
+pytestmark = pytest.mark.torch_versions  # also run on the other torch versions CI tests
+FLOOR = ".".join(map(str, TORCH_FLOOR))
+
+
+def test_import_fabriclite_with_a_torch_below_the_floor_names_the_installed_and_the_needed_version():
+    # CI cannot install every old torch; the version string is what the check reads, so the child sets it.
+    code = "import torch; torch.__version__ = '2.7.1+cu126'; import fabriclite"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=120)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: fabriclite needs torch >= 2.8") and "torch 2.7.1+cu126 is installed" in last
+
+
+@pytest.mark.parametrize("version", ["2.8.0", "2.8.0+cu128", "2.15.0", "3.0.0a0", torch.__version__])
+def test_the_floor_and_newer_torch_versions_are_accepted(version):
+    check_torch_version(version)
+
+
+@pytest.mark.parametrize("version", ["2.7.1", "2.6.0+cpu", "1.13.1"])
+def test_older_torch_versions_are_refused(version):
+    with pytest.raises(ImportError, match=rf"needs torch >= {FLOOR}, .* torch {re.escape(version)} is installed"):
+        check_torch_version(version)
+
+
+def test_pyproject_the_readme_and_ci_state_the_floor_the_version_module_enforces():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'"torch>=([0-9.]+)"', pyproject).group(1) == FLOOR
+    tested = [
+        line.split()[0]
+        for line in (ROOT / "requirements-torch-versions.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert tested[0] == f"torch=={FLOOR}.0" and len(tested) >= 3  # CI runs the floor, a middle one, the newest
+    newest = tested[-1].split("==")[1].rsplit(".", 1)[0]
+    for page in ("README.md", "docs/index.md"):
+        assert f"torch {FLOOR} to {newest}" in (ROOT / page).read_text(), page
+
+
+def test_the_dcp_metadata_file_is_found_with_or_without_torchs_own_helper(tmp_path):
+    assert dcp_metadata_path(FileSystemReader(tmp_path), None) == tmp_path / ".metadata"
+
+    class OlderReader:  # torch 2.8's reader has no _get_metadata_path
+        path = str(tmp_path)
+
+    assert dcp_metadata_path(OlderReader(), None) == Path(tmp_path) / ".metadata"
