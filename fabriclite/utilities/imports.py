@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch._library.triton import is_wrap_triton_enabled
 
 TORCH_FLOOR = (2, 8)  # why not older: this module's docstring
 
@@ -118,9 +119,13 @@ def reset_compiler() -> None:
         dynamo.reset()
 
 
-# True while torch.compile traces the body of a ``torch.library.triton_op`` (every supported torch has them): a
-# kernel launched then must go through ``torch.library.wrap_triton`` to land in the graph.
-from torch._library.triton import is_wrap_triton_enabled as wrap_triton_enabled  # noqa: E402
+def wrap_triton_enabled() -> bool:
+    """True while torch.compile traces the body of a ``torch.library.triton_op`` (every supported torch has them): a
+    kernel launched then must go through ``torch.library.wrap_triton`` to land in the graph.
+
+    Usage: ``if wrap_triton_enabled(): torch.library.wrap_triton(kernel)[grid](*args)``.
+    """
+    return is_wrap_triton_enabled()
 
 
 def inductor_cache_dir() -> str:
