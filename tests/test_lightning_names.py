@@ -37,6 +37,11 @@ NAMES = [
     ("plugins", "BitsandbytesPrecision"),
     ("plugins.precision.bitsandbytes", "BitsandbytesPrecision"),
     ("plugins.precision.bitsandbytes", "_BITSANDBYTES_AVAILABLE"),
+    ("plugins.collectives", "Collective"),
+    ("plugins.collectives", "TorchCollective"),
+    ("plugins.collectives", "SingleDeviceCollective"),
+    ("plugins.collectives.collective", "CollectibleGroup"),
+    ("plugins.collectives.torch_collective", "TorchCollective"),
     ("plugins.environments", "ClusterEnvironment"),
     ("plugins.environments", "LightningEnvironment"),
     ("plugins.environments", "SLURMEnvironment"),
@@ -72,6 +77,17 @@ NAMES = [
     ("utilities.throughput", "measure_flops"),
     ("utilities.throughput", "Throughput"),
     ("utilities.throughput", "ThroughputMonitor"),
+    ("utilities.types", "Optimizable"),
+    ("utilities.types", "Steppable"),
+    ("utilities.types", "_Stateful"),
+    ("utilities.types", "CollectibleGroup"),
+    ("utilities.types", "ReduceOp"),
+    ("utilities.types", "RedOpType"),
+    ("utilities.types", "ProcessGroup"),
+    ("utilities.types", "_PATH"),
+    ("utilities.types", "_DEVICE"),
+    ("utilities.types", "_MAP_LOCATION_TYPE"),
+    ("utilities.types", "_PARAMETERS"),
     # LitGPT's imports, beyond the documented API
     ("utilities.load", "_lazy_load"),
     ("utilities.load", "_NotYetLoadedTensor"),
@@ -353,3 +369,18 @@ def test_unwrap_objects_gives_back_what_setup_wrapped(root):
     assert unwrap(model) is module and unwrap(wrapped_optimizer) is optimizer and unwrap(wrapped_loader) is loader
     assert unwrap({"m": [model], "x": 3}) == {"m": [module], "x": 3} and unwrap(module) is module
     assert unwrap(torch.compile(model)) is module
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_the_structural_types_recognise_what_lightnings_do(root):
+    import torch
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    types = importlib.import_module(root + ".utilities.types")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert isinstance(optimizer, types.Optimizable) and isinstance(optimizer, types.Steppable)
+    assert isinstance(model, types._Stateful) and isinstance(optimizer, types._Stateful)
+    assert not isinstance(model, types.Optimizable) and not isinstance(object(), types._Stateful)
+    assert types.ReduceOp.SUM == torch.distributed.ReduceOp.SUM and isinstance(types.ReduceOp.SUM, types.RedOpType)

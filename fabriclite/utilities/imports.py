@@ -247,3 +247,13 @@ def dcp_metadata_path(reader: Any, rank: int | None) -> Path:
     if hasattr(reader, "_get_metadata_path"):  # newer torch; 2.8 has no per-rank metadata
         return Path(reader._get_metadata_path(rank))
     return Path(reader.path) / ".metadata"
+
+
+# ---------------------------------------------------------------------- process groups
+def process_groups() -> dict[Any, Any]:
+    """The process groups of this process that are alive (the default one included), keyed by group; torch keeps
+    this table privately. Usage: ``if group in process_groups(): dist.destroy_process_group(group)``.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._pg_map
