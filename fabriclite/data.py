@@ -296,8 +296,10 @@ class _Repeat(int):
 
 class FabricDistributedSampler(DistributedSampler):
     """``DistributedSampler`` that marks the indices it repeats to even out the ranks (as ``_Repeat`` ints), so the
-    loader can tell metrics which samples to drop. Over a user's own sampler, it shards that sampler's indices, drawn
-    anew each epoch.
+    loader can tell metrics which samples to drop. Over a user's own sampler (``source``) it is Lightning's
+    ``DistributedSamplerWrapper``: each epoch the user's sampler draws its order as it would in one process (from
+    its own generator, or the global random stream, which ``seed_everything`` makes the same on every rank), and
+    each rank takes every ``num_replicas``-th index of it; ``set_epoch`` reaches the user's sampler too.
 
     Usage: made by ``fabric.setup_dataloaders``; ``sampler.first_repeat < sampler.num_samples`` when this rank has one.
     """
@@ -314,15 +316,18 @@ class FabricDistributedSampler(DistributedSampler):
         if self.source is None:
             indices = super().__iter__()
         else:
-            # Every rank must draw the same order from the user's sampler, whatever its global random state: draw
-            # it from a generator seeded by (seed, epoch), leaving the global stream untouched.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed + self.epoch)
-                drawn = list(self.source)
+            # The user's randomness, drawn where it would be drawn without fabriclite (so a seeded run gives the
+            # numbers it gives under Lightning); this rank's positions of it.
+            drawn = list(self.source)
             indices = (drawn[i] for i in super().__iter__())
         if self.first_repeat >= self.num_samples:
             return indices
         return itertools.chain(itertools.islice(indices, self.first_repeat), map(_Repeat, indices))
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if callable(getattr(self.source, "set_epoch", None)):
+            self.source.set_epoch(epoch)
 
 
 def _shard_sampler(dataset: Any, sampler: Sampler, common: dict[str, Any]) -> FabricDistributedSampler:
@@ -337,7 +342,21 @@ def _shard_sampler(dataset: Any, sampler: Sampler, common: dict[str, Any]) -> Fa
     )
     if plain:
         return FabricDistributedSampler(dataset, shuffle=isinstance(sampler, RandomSampler), **common)
+    if getattr(sampler, "generator", False) is None:  # torch's random samplers, drawing from the global stream
+        _warn_unless_seeded(sampler)
     return FabricDistributedSampler(dataset, source=sampler, shuffle=False, **common)
+
+
+def _warn_unless_seeded(sampler: Sampler) -> None:
+    # Each rank draws the order of a user's sampler itself; ranks that were not seeded alike draw different orders,
+    # and their shards overlap and miss samples without any error. Lightning does not warn.
+    if "PL_GLOBAL_SEED" not in os.environ:
+        rank_zero_warn(
+            f"Your {type(sampler).__name__} is sharded across processes by drawing its order on every rank (as "
+            "Lightning's DistributedSamplerWrapper does) from the global random stream, but no seed was set: each "
+            "rank draws a different order and the shards overlap. Call fabric.seed_everything(seed) (or seed_everything) before "
+            "iterating, or give the sampler a torch.Generator seeded alike on every rank."
+        )
 
 
 def distributed_loader(dataloader: DataLoader, num_replicas: int, rank: int, seed: int) -> DataLoader:

@@ -24,16 +24,16 @@ def seed_everything(seed: Any = None, workers: bool = False, verbose: bool = Tru
     """Seed Python's ``random``, NumPy and torch (CPU and every CUDA device); return the seed used.
 
     ``seed`` is anything ``int()`` takes (a NumPy integer, a float, a string of digits), between 0 and 2**32 - 1.
-    ``seed=None`` reads the ``FABRICLITE_GLOBAL_SEED`` (or Lightning's ``PL_GLOBAL_SEED``) environment variable,
-    else uses 0 with a "No seed found" warning. The seed is exported in both variables so processes launched later
-    see it. With ``workers=True`` (``fabric.seed_everything``'s default), ``fabric.setup_dataloaders`` gives loaders
+    ``seed=None`` reads the ``PL_GLOBAL_SEED`` environment variable, else uses 0 with a "No seed found" warning. The
+    seed is exported in ``PL_GLOBAL_SEED`` and ``workers`` in ``PL_SEED_WORKERS`` (Lightning's variables, and only
+    those) so processes launched later see them. With ``workers=True`` (``fabric.seed_everything``'s default), ``fabric.setup_dataloaders`` gives loaders
     without a ``worker_init_fn`` ``pl_worker_init_function``, which seeds ``random``, NumPy and torch in each
     worker from the loader's base seed, the worker and the global rank. "Seed set to N" is logged at INFO on the
     ``fabriclite.utilities.seed`` logger (Lightning's logger name with the import swapped).
     Usage: ``seed_everything(42)``.
     """
     if seed is None:
-        name = "FABRICLITE_GLOBAL_SEED" if "FABRICLITE_GLOBAL_SEED" in os.environ else "PL_GLOBAL_SEED"
+        name = "PL_GLOBAL_SEED"
         text = os.environ.get(name)
         if text is None:
             seed = 0
@@ -56,7 +56,7 @@ def seed_everything(seed: Any = None, workers: bool = False, verbose: bool = Tru
         raise ValueError(f"seed={seed} is not in bounds: NumPy accepts seeds from 0 to {_MAX_SEED}.")
     if verbose:
         log.info(f"{_rank_prefix()}Seed set to {seed}")
-    os.environ["FABRICLITE_GLOBAL_SEED"] = os.environ["PL_GLOBAL_SEED"] = str(seed)
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
     os.environ["PL_SEED_WORKERS"] = str(int(workers))
     random.seed(seed)
     np.random.seed(seed)
@@ -182,6 +182,7 @@ def _loader_generators(loader: DataLoader) -> dict[str, torch.Generator]:
         ("sampler", getattr(loader, "sampler", None)),
         ("batch_sampler", getattr(loader, "batch_sampler", None)),
         ("batch_sampler.sampler", getattr(getattr(loader, "batch_sampler", None), "sampler", None)),
+        ("sampler.source", getattr(getattr(loader, "sampler", None), "source", None)),  # a sharded user's sampler
     ):
         generator = getattr(owner, "generator", None)
         if isinstance(generator, torch.Generator) and id(generator) not in seen:

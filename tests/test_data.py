@@ -1,6 +1,8 @@
 """The wrapped loader: its position (saved mid-epoch, restored in a fresh loader, continuing with the next batch), and
 the padding it marks for metrics under several processes."""
 
+import warnings
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
@@ -169,6 +171,47 @@ def test_a_custom_batch_sampler_without_a_sampler_attribute_cannot_be_sharded():
 
     with pytest.raises(ValueError, match=r"custom batch_sampler \(Fixed\) without a `\.sampler`"):
         shard(DataLoader(TensorDataset(torch.arange(3).float()), batch_sampler=Fixed()))
+
+
+class EpochOrder(torch.utils.data.Sampler):
+    """A user's sampler that shuffles by its own generator, seeded by the epoch it is told."""
+
+    def __init__(self, n):
+        self.n, self.epoch = n, 0
+
+    def __len__(self):
+        return self.n
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(100 + self.epoch)).tolist())
+
+
+def test_a_users_sampler_is_sharded_from_its_own_order_and_hears_each_epoch():
+    # Without a `generator` attribute there is no telling whether it is random: no warning about seeds.
+    data = TensorDataset(torch.arange(10).float())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shards = [shard(DataLoader(data, batch_size=3, sampler=EpochOrder(10)), rank) for rank in (0, 1)]
+    for epoch in range(2):
+        alone = EpochOrder(10)
+        alone.set_epoch(epoch)
+        order = list(alone)
+        got = [sum(ids(loader), []) for loader in shards]
+        assert got == [order[0::2], order[1::2]]
+
+
+def test_an_unseeded_random_sampler_of_the_users_warns_that_ranks_would_draw_different_orders(monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    data = TensorDataset(torch.arange(10).float())
+    with pytest.warns(UserWarning, match="SubsetRandomSampler is sharded .* no seed was set"):
+        shard(DataLoader(data, sampler=torch.utils.data.SubsetRandomSampler(range(6))))
+    monkeypatch.setenv("PL_GLOBAL_SEED", "4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shard(DataLoader(data, sampler=torch.utils.data.SubsetRandomSampler(range(6))))
 
 
 def test_out_of_order_workers_with_a_repeated_sample_warn_that_metrics_count_it_twice():

@@ -21,6 +21,7 @@ CHECKS = [
     "shards are disjoint and cover the data",
     "set_epoch reshuffles every epoch",
     "a user's sampler is sharded",
+    "a user's sampler keeps its own order",
     "a metric under DDP equals the single-process value",
     "counting the duplicate would differ",
     "use_distributed_sampler=False keeps the whole data",

@@ -113,7 +113,7 @@ def test_seed_everything_makes_draws_repeat_and_returns_the_seed(monkeypatch):
     first = torch.rand(3)
     assert Fabric.seed_everything(11, verbose=False) == 11
     assert torch.equal(torch.rand(3), first)
-    monkeypatch.setenv("FABRICLITE_GLOBAL_SEED", "5")
+    monkeypatch.setenv("PL_GLOBAL_SEED", "5")
     assert seed_everything(verbose=False) == 5
 
 

@@ -20,7 +20,7 @@ from fabriclite import Fabric, seed_everything
 from fabriclite.seed import pl_worker_init_function, reset_seed, worker_init_function
 from helpers import run_python
 
-_SEED_VARIABLES = ("PL_GLOBAL_SEED", "FABRICLITE_GLOBAL_SEED", "PL_SEED_WORKERS")
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 @pytest.fixture(autouse=True)
@@ -268,7 +268,7 @@ def test_no_seed_anywhere_warns_and_uses_0_unless_quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert seed_everything() == 0  # exported now: found in the environment
-        os.environ.pop("PL_GLOBAL_SEED"), os.environ.pop("FABRICLITE_GLOBAL_SEED")
+        os.environ.pop("PL_GLOBAL_SEED")
         assert seed_everything(verbose=False) == 0
 
 
@@ -290,7 +290,7 @@ for bad in (2**32, -1, "forty-two", [3]):
         seed_everything(bad)
     except Exception as error:
         result.setdefault("errors", []).append([type(error).__name__, "is not in bounds" in str(error)])
-os.environ.pop("PL_GLOBAL_SEED"), os.environ.pop("FABRICLITE_GLOBAL_SEED", None)
+os.environ.pop("PL_GLOBAL_SEED")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     seed_everything()
@@ -313,3 +313,10 @@ def test_seeding_converts_refuses_logs_warns_and_seeds_workers_as_lightning_does
         "no seed": ["No seed found, seed set to 0"],
         "workers": "1",
     }
+
+
+def test_seed_everything_exports_lightnings_two_variables_and_nothing_else(monkeypatch):
+    before = dict(os.environ)
+    seed_everything(7, workers=True, verbose=False)
+    added = {name: value for name, value in os.environ.items() if before.get(name) != value}
+    assert added == {"PL_GLOBAL_SEED": "7", "PL_SEED_WORKERS": "1"}

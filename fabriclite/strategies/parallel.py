@@ -188,7 +188,7 @@ class ParallelStrategy(Strategy):
         """Give each rank its shard: a copy of the loader with a distributed sampler, keeping shuffle and seed."""
         if not use_distributed_sampler:
             return dataloader
-        seed = int(os.environ.get("FABRICLITE_GLOBAL_SEED", 0))
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything exports it, as Lightning
         replicas, rank = self.data_parallel_shard()
         return distributed_loader(dataloader, replicas, rank, seed)
 

@@ -70,10 +70,19 @@ check(
     sorted(set(every[:, 0].flatten().tolist())) == list(range(21)) and len(epochs[0]) == 11,
 )
 check("set_epoch reshuffles every epoch", epochs[0] != epochs[1])
+# A user's sampler keeps its own randomness (Lightning's DistributedSamplerWrapper): seeded alike, every rank draws
+# the order one process draws, and takes every second index of it (the 7 samples padded to 8 with the first).
+seed_everything(3, verbose=False)
+alone = [
+    int(v) for batch in DataLoader(data, batch_size=2, sampler=SubsetRandomSampler(range(0, 21, 3))) for v in batch[0]
+]
+seed_everything(3, verbose=False)
 subset = SubsetRandomSampler(list(range(0, 21, 3)))
 sub_loader = fabric.setup_dataloaders(DataLoader(data, batch_size=2, sampler=subset))
-seen = fabric.all_gather(torch.tensor([int(v) for batch in sub_loader for v in batch[0].flatten()]))
+mine = [int(v) for batch in sub_loader for v in batch[0].flatten()]
+seen = fabric.all_gather(torch.tensor(mine))
 check("a user's sampler is sharded", sorted(set(seen.flatten().tolist())) == list(range(0, 21, 3)))
+check("a user's sampler keeps its own order", mine == (alone + alone[:1])[rank::2], f"{mine} of {alone}")
 # Metrics: 21 samples on 2 ranks means one sample is seen twice; fabriclite's metrics drop it.
 from fabriclite.metrics import Accuracy  # noqa: E402
 
