@@ -1,7 +1,8 @@
 """Run or log on rank 0 only (Lightning Fabric has it at ``lightning.fabric.utilities.rank_zero``, and so do we).
 
-``rank_zero_only.rank`` is read from the launch variables when this module is imported, and Fabric sets it to the
-process's global rank once the processes run (a forked or spawned process imported it before knowing its rank).
+``rank_zero_only.rank`` is read from the launch variables (``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID``,
+``JSM_NAMESPACE_RANK``) until a parallel strategy sets it to the process's global rank once the processes run (a
+forked or spawned process imported fabriclite before knowing its rank), or the user sets it.
 
 Usage::
 
@@ -49,18 +50,33 @@ def _rank_from_environment() -> int:
     return 0
 
 
-def rank_zero_only(fn: Callable[..., T]) -> Callable[..., T | None]:
-    """Decorate ``fn`` so that it runs on global rank 0 and returns None elsewhere; ``rank_zero_only.rank`` is the
-    rank it compares against. Usage: ``@rank_zero_only`` above a function."""
+class _RankZeroOnly:
+    """The ``rank_zero_only`` decorator: the decorated function runs on global rank 0 and returns None elsewhere.
+    ``rank_zero_only.rank`` is the rank it compares against: set by a parallel strategy (or by you); until then read
+    from the launch variables whenever it is asked, so it is right in a process whatever its variables were when
+    fabriclite was imported (Lightning reads them when its module is imported). Usage: ``@rank_zero_only``.
+    """
 
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> T | None:
-        return fn(*args, **kwargs) if rank_zero_only.rank == 0 else None
+    def __init__(self) -> None:
+        self._rank: int | None = None
 
-    return wrapped
+    @property
+    def rank(self) -> int:
+        return self._rank if self._rank is not None else _rank_from_environment()
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._rank = value
+
+    def __call__(self, fn: Callable[..., T]) -> Callable[..., T | None]:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> T | None:
+            return fn(*args, **kwargs) if self.rank == 0 else None
+
+        return wrapped
 
 
-rank_zero_only.rank = _rank_from_environment()  # type: ignore[attr-defined]
+rank_zero_only = _RankZeroOnly()
 
 
 @rank_zero_only

@@ -165,7 +165,8 @@ class Throughput:
 
     ``update`` takes totals since the start (``time`` in seconds, ``batches``, ``samples``, ``lengths``) and the
     FLOPs of this update alone (``flops``, per device); ``compute`` returns a dict with ``time``, ``batches``,
-    ``samples`` (and ``lengths``), and from the second update on ``device/samples_per_sec`` ... ``device/mfu``, plus
+    ``samples`` (and ``lengths``), and once ``window_size`` updates have filled the window (as Lightning: a rate
+    over fewer would be noisier than the window asked for) ``device/samples_per_sec`` ... ``device/mfu``, plus
     ``samples_per_sec`` ... ``flops_per_sec`` across devices when ``world_size > 1`` (as Lightning: no global
     ``mfu``, which would equal ``device/mfu``).
 
@@ -236,7 +237,7 @@ class Throughput:
         metrics: dict[str, float] = {name: window[-1] for name, window in self._totals.items()}
         time = self._totals["time"]
         elapsed = time[-1] - time[0]
-        if len(time) < 2 or elapsed <= 0:
+        if len(time) < self.window_size or elapsed <= 0:
             return metrics
         device = f"device{self.separator}"
         for name, rate in (
@@ -250,7 +251,7 @@ class Throughput:
                 if self.world_size > 1:
                     metrics[rate] = per_device * self.world_size
         # The first update's FLOPs were done before the window's first time stamp.
-        if len(self._flops) >= 2 and len(self._flops) == len(time):
+        if len(self._flops) == self.window_size:
             per_device = sum(list(self._flops)[1:]) / elapsed
             metrics[device + "flops_per_sec"] = per_device
             if self.world_size > 1:

@@ -21,6 +21,7 @@ from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
 from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher, stop_on_interrupt
+from fabriclite.rank_zero import rank_zero_only
 from fabriclite.plugins.environments import (
     ClusterEnvironment,
     ProcessEnvironment,
@@ -142,6 +143,7 @@ class ParallelStrategy(Strategy):
         if self.environment is None:  # our own launcher has just put this process's rank in the environment
             self.environment = detect_environment(self.cluster_environment)
         super().setup_environment()
+        rank_zero_only.rank = self.global_rank  # a forked or spawned process imported it before it knew its rank
         if dist.is_initialized():
             return
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:

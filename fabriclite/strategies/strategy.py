@@ -15,7 +15,6 @@ from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO, TorchCheckpointIO
 from fabriclite.launcher import InProcessLauncher
 from fabriclite.plugins.precision import Precision
-from fabriclite.rank_zero import rank_zero_only
 
 
 class Strategy:
@@ -73,7 +72,6 @@ class Strategy:
         assert self.accelerator is not None, "Strategy.configure comes first"
         self.root_device = self._device or self.accelerator.device(self.local_rank)
         self.accelerator.setup_device(self.root_device)
-        rank_zero_only.rank = self.global_rank  # a forked or spawned process imported it before it knew its rank
 
     # Process layout.
     @property

@@ -1,6 +1,7 @@
 """rank_zero_only and the rank-zero logging helpers, at Lightning's import path."""
 
 import logging
+import sys
 
 import pytest
 
@@ -55,3 +56,35 @@ def test_a_rank_that_is_not_a_number_is_named(monkeypatch):
     monkeypatch.setenv("RANK", "zero")
     with pytest.raises(ValueError, match="RANK='zero' must be an integer"):
         _rank_from_environment()
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),  # Lightning's test_rank_zero_known_environment_variables, case by case
+    [
+        ({"RANK": "0"}, 1),
+        ({"SLURM_PROCID": "0"}, 1),
+        ({"LOCAL_RANK": "0"}, 1),
+        ({"JSM_NAMESPACE_RANK": "0"}, 1),
+        ({}, 1),
+        ({"RANK": "1"}, None),
+        ({"SLURM_PROCID": "2"}, None),
+        ({"LOCAL_RANK": "3"}, None),
+        ({"JSM_NAMESPACE_RANK": "4"}, None),
+    ],
+)
+def test_until_a_strategy_sets_the_rank_rank_zero_only_follows_the_launch_variables(monkeypatch, env, expected):
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(rank_zero_only, "_rank", None)  # as in a process no strategy has set up yet
+    monkeypatch.delitem(sys.modules, "fabriclite.utilities.rank_zero")  # what Lightning's test does
+    from fabriclite.utilities.rank_zero import rank_zero_only as reimported
+
+    @reimported
+    def foo():
+        return 1
+
+    assert foo() == expected
+    reimported.rank = 0  # set by a strategy: the variables no longer matter
+    assert foo() == 1

@@ -118,6 +118,20 @@ def test_the_monitor_logs_rates_and_mfu_through_the_fabric(tmp_path):
 
 
 @pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
+def test_the_rates_wait_until_the_window_is_full(root):
+    import importlib
+
+    if root != "fabriclite":
+        pytest.importorskip(root)
+    meter = importlib.import_module(root + ".utilities.throughput").Throughput(window_size=3)
+    for i in (1, 2):
+        meter.update(time=float(i), batches=i, samples=4 * i, flops=10)
+        assert set(meter.compute()) == {"time", "batches", "samples"}
+    meter.update(time=3.0, batches=3, samples=12, flops=10)
+    assert meter.compute()["device/samples_per_sec"] == 4 and meter.compute()["device/flops_per_sec"] == 10
+
+
+@pytest.mark.parametrize("root", ["fabriclite", "lightning.fabric"])
 def test_the_keys_across_devices_are_lightnings_with_no_global_mfu(root):
     import importlib
 
