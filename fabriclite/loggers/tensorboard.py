@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import os
+import sys
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +90,7 @@ class TensorBoardLogger(_VersionedLogger):
                 raise ModuleNotFoundError(_MISSING) from err
             self._check_writable()  # the writer's own thread would only print its failures
             self._experiment = SummaryWriter(log_dir=self.log_dir, **self._kwargs)
+            _OPEN.add(self)
         return self._experiment
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -183,3 +187,20 @@ class TensorBoardLogger(_VersionedLogger):
         state = self.__dict__.copy()
         state["_experiment"] = None
         return state
+
+
+_OPEN: weakref.WeakSet[TensorBoardLogger] = weakref.WeakSet()  # loggers whose writer may hold unwritten events
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    # The writer's thread writes every flush_secs; a script that never calls finalize() (as Lightning's examples)
+    # would lose what it wrote last. Under Lightning those events reach the file too.
+    for logger in list(_OPEN):
+        try:
+            logger.save()
+        except Exception as err:  # nobody to raise to at exit: say what was lost
+            print(
+                f"fabriclite: TensorBoardLogger could not write its last events to {logger.log_dir}: {err}",
+                file=sys.stderr,
+            )

@@ -264,3 +264,19 @@ def test_a_file_where_the_folder_should_be_raises_at_the_first_log_naming_it(tmp
     logger = TensorBoardLogger(tmp_path / "tb", name="run")
     with pytest.raises(OSError, match=r"TensorBoardLogger cannot write into .*tb.run.version_0: a file is where"):
         logger.log_metrics({"loss": 1.0}, step=0)
+
+
+def test_what_a_script_wrote_last_reaches_the_file_without_finalize(tmp_path):
+    # Lightning's examples never call finalize(); the writer's thread flushes only every flush_secs (120 s).
+    from helpers import run_python
+
+    code = (
+        "from fabriclite.loggers import TensorBoardLogger\n"
+        f"logger = TensorBoardLogger({str(tmp_path)!r}, name='exp')\n"
+        "logger.log_metrics({'loss': 0.5}, step=1)\n"
+        "logger.experiment.add_scalar('Test/reward', 50.0, 0)\n"
+    )
+    run_python("-c", code, timeout=120)
+    events = read_events(tmp_path / "exp" / "version_0")
+    assert [(e.step, e.value) for e in events.Scalars("Test/reward")] == [(0, 50.0)]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5)]
