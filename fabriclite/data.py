@@ -354,7 +354,7 @@ def _warn_unless_seeded(sampler: Sampler) -> None:
         rank_zero_warn(
             f"Your {type(sampler).__name__} is sharded across processes by drawing its order on every rank (as "
             "Lightning's DistributedSamplerWrapper does) from the global random stream, but no seed was set: each "
-            "rank draws a different order and the shards overlap. Call fabric.seed_everything(seed) (or seed_everything) before "
+            "rank draws a different order and the shards overlap. Call fabric.seed_everything(seed) before "
             "iterating, or give the sampler a torch.Generator seeded alike on every rank."
         )
 

@@ -21,7 +21,6 @@ from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
 from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher, stop_on_interrupt
-from fabriclite.rank_zero import rank_zero_only
 from fabriclite.plugins.environments import (
     ClusterEnvironment,
     ProcessEnvironment,
@@ -29,6 +28,7 @@ from fabriclite.plugins.environments import (
     cpu_threads_per_process,
     detect_environment,
 )
+from fabriclite.rank_zero import rank_zero_only
 from fabriclite.strategies.strategy import Strategy
 from fabriclite.utilities.imports import reset_compiler
 from fabriclite.watchdog import StallWatchdog, saying_who_has_not_joined
