@@ -39,6 +39,7 @@ from fabriclite.supervisor import (  # what every way of starting processes shar
     _die_with_parent,
     _exit_code,
     _rank_env,
+    how_it_ended,
     max_restarts,
 )
 
@@ -150,12 +151,10 @@ def _watch_interrupts(read_fd: int, children: list[subprocess.Popen], main_id: i
                     blocked_at = None  # the main thread moved: its signal handler runs, and decides
             if blocked_at is not None:
                 name = signal.Signals(signum).name
-                print(
+                _tell(
                     f"fabriclite: {name} received, and this process stayed blocked for {INTERRUPT_GRACE_S:g} s in "
                     f"{blocked_at[2]} (most often a collective waiting for another rank), where Python cannot "
-                    f"stop it; exiting with code {128 + signum}.",
-                    file=sys.stderr,
-                    flush=True,
+                    f"stop it; exiting with code {128 + signum}."
                 )
                 for child in children:
                     if child.poll() is None:
@@ -201,6 +200,7 @@ class SubprocessLauncher:
         self.children: list[subprocess.Popen] = []
         self._started = False
         self._killing = False  # set once this process stops the children itself: their deaths are then expected
+        self._failing = False  # set once the main thread handles its own error: it stops the children, then says why
         # The watching thread and an error on the main thread may both see a child die: one of them reports it.
         self._deciding = threading.Lock()
         self._reported: set[int] = set()
@@ -235,6 +235,8 @@ class SubprocessLauncher:
         previous_hook = sys.excepthook
 
         def kill_children_then_report(*exc_info: Any) -> None:
+            with self._deciding:
+                self._failing = True
             if not issubclass(exc_info[0], KeyboardInterrupt):  # on Ctrl-C every rank stops at once: no news
                 self._wait_for_a_child_to_fail(SIBLING_EXIT_GRACE_S)
             self.kill_children()
@@ -251,6 +253,8 @@ class SubprocessLauncher:
                         if self._killing:
                             return  # this process is already stopping them (after its own error)
                         self._report(child, code, "stopping the other processes")
+                        if self._failing:
+                            return  # the main thread's error handler stops the others and shows its own error
                     self.kill_children()
                     os._exit(_exit_code(code))
             if all(child.poll() in _ENDED for child in self.children):
@@ -271,7 +275,7 @@ class SubprocessLauncher:
         with self._deciding:
             if not self._killing:
                 for child in self.children:  # name those that failed on their own, before this process stops the rest
-                    code = child.poll()
+                    code = _returncode(child)
                     if code not in (None, *_ENDED):
                         self._report(child, code, "stopping the other processes")
             self._killing = True
@@ -288,12 +292,7 @@ class SubprocessLauncher:
         if self._killing or child.pid in self._reported:
             return
         self._reported.add(child.pid)
-        if code < 0:
-            known = -code in {member.value for member in signal.Signals}
-            how = f"was killed by {signal.Signals(-code).name if known else f'signal {-code}'}"
-        else:
-            how = f"exited with code {code}"
-        print(f"fabriclite: process {self.children.index(child) + 1} {how}; {action}.", file=sys.stderr, flush=True)
+        _tell(f"fabriclite: process {self.children.index(child) + 1} {how_it_ended(code)}; {action}.")
 
     def _wait_for_children(self) -> None:
         for child in self.children:
@@ -301,6 +300,22 @@ class SubprocessLauncher:
             if code not in _ENDED and not self._killing:  # those this process stopped itself: its own error is the news
                 self._report(child, code, "this run failed")
                 os._exit(_exit_code(code))
+
+
+def _returncode(child: subprocess.Popen) -> int | None:
+    # Popen.poll() answers None, as if the child ran, while another thread is inside waitpid() for it (the watching
+    # thread polls too); wait() retries for its timeout instead.
+    try:
+        return child.wait(timeout=0.05)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _tell(line: str) -> None:
+    # Straight to file descriptor 2, not through sys.stderr: torch's excepthook (installed with the process group)
+    # swaps sys.stderr for a buffer while the earlier hooks run, and a line written there by the watching thread was
+    # lost when it then ended the process with os._exit.
+    os.write(2, f"{line}\n".encode())
 
 
 def _process_entry(local_rank: int, processes: int, port: int, start_method: str, payload: Any, results: Any) -> None:
