@@ -90,6 +90,7 @@ class Fabric(LegacyAPI):
         self._kernels = bool(kernels) and kernels_usable(self.device) and self._precision.name != "64-true"
         self._compile = compile_kwargs(compile)
         self._compile_watches: list[CompileWatch] = []
+        self._checkpointer = checkpoint.Checkpointer()  # asynchronous saves: staged at the call, written after
         self._callbacks = as_list(callbacks)
         self._loggers = as_list(loggers)
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
@@ -394,19 +395,20 @@ class Fabric(LegacyAPI):
         plus the global random streams and the loss scaler, so ``load`` resumes bit-exactly.
         ``filter`` maps a key of ``state`` to ``fn(name, value) -> bool`` choosing which entries of its state_dict
         to keep. ``keep_last=K`` then removes the checkpoints named like ``path`` (other numbers) beyond the K newest
-        complete ones; ``asynchronous=True`` writes in the background the state as it is at the call: parameters and
-        optimizer state are copied to CPU while the next step's forward and backward run, and until that step they
-        must change only through the optimizer (docs/long-runs.md).
+        complete ones; ``asynchronous=True`` copies the state at the call into host memory (reused from save to save)
+        and writes that copy in the background while training goes on (docs/long-runs.md).
         Usage: ``fabric.save(f"ckpts/step-{step}.ckpt", {"model": model, "step": step}, keep_last=3)``.
         """
         checkpoint.check_state(state, filter)
         self._check_launched("save")
-        checkpoint.save_state(self._strategy, self._precision, path, state, filter, keep_last, asynchronous)
+        checkpoint.save_state(
+            self._strategy, self._precision, path, state, self._checkpointer, filter, keep_last, asynchronous
+        )
 
     def load_latest(self, folder: str | os.PathLike, state: dict[str, Any], strict: bool = True, **options: Any) -> Any:
         """``load`` the newest complete checkpoint in ``folder`` into ``state`` and return its path, or return None
         (a fresh start). Usage: ``if fabric.load_latest("ckpts", state) is None: fabric.print("fresh start")``."""
-        path = checkpoint.latest(self._strategy, folder)
+        path = checkpoint.latest(self._strategy, folder, self._checkpointer)
         if path is not None:
             self.load(path, state, strict, **options)
         return path

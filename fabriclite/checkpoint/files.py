@@ -390,6 +390,12 @@ class TorchCheckpointIO(CheckpointIO):
         return checkpoint
 
 
+def writes_atomically(checkpoint_io: CheckpointIO) -> bool:
+    """Whether ``checkpoint_io`` writes with ``TorchCheckpointIO``'s own atomic write (not a plugin's, which may
+    leave a partial file or change the previous checkpoint when it fails)."""
+    return type(checkpoint_io).save_checkpoint is TorchCheckpointIO.save_checkpoint
+
+
 _RENAME_EXCHANGE = 2
 
 
