@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch.utils.data import DataLoader
 
-from fabriclite import checkpoint, choices, preemption
+from fabriclite import checkpoint, choices, preemption, signals
 from fabriclite._legacy import LegacyAPI
 from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device
 from fabriclite._collections import convert_tensors_to_scalars
@@ -90,6 +90,8 @@ class Fabric(LegacyAPI):
         self._kernels = bool(kernels) and kernels_usable(self.device) and self._precision.name != "64-true"
         self._compile = compile_kwargs(compile)
         self._compile_watches: list[CompileWatch] = []
+        # Notices (SIGTERM, SIGUSR1) are noted from now on, not fatal: setup, compilation and loading may take long.
+        signals.install(self._strategy.global_rank)
         self._checkpointer = checkpoint.Checkpointer()  # asynchronous saves: staged at the call, written after
         self._callbacks = as_list(callbacks)
         self._loggers = as_list(loggers)

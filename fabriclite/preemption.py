@@ -6,14 +6,12 @@ turns that into a value the training loop checks once per step, so it can save a
         fabric.save(folder / f"step-{step}.ckpt", state)
         sys.exit(PREEMPTED_EXIT_CODE)  # 75, "preempted, resumable"
 
-The first read of ``fabric.preempted`` installs handlers for SIGTERM and SIGUSR1 in that process (before it, the
-signals keep their usual effect). A handler only notes the signal; the reads then agree across ranks with one tiny
-all-reduce each (the ranks may have received it at different steps, or only one of them did), so every rank sees
-True at the same step. The all-reduce a read starts runs during the next step and its result is taken at the next
-read: no read waits for the other ranks, and True comes one read after the signal was noted. Reading it is
-therefore a collective: every rank reads it, at the same place in the loop. Once True it stays True. A second
-signal, ``SAME_NOTICE_S`` seconds or more after the first, ends the process the hard way (the signal's default
-action); one sooner is the same notice come twice (SLURM and a launcher both passing it on).
+What a signal does to the process (noted from ``Fabric`` creation on; a second notice, a third, the grace period)
+is ``fabriclite.signals``'s policy. Here, the notice becomes a value every rank agrees on: the reads agree across
+ranks with one tiny all-reduce each (the ranks may have received it at different steps, or only one of them did),
+so every rank sees True at the same step. The all-reduce a read starts runs during the next step and its result is
+taken at the next read: no read waits for the other ranks, and True comes one read after the signal was noted.
+Reading it is therefore a collective: every rank reads it, at the same place in the loop. Once True it stays True.
 
 After a preemption, under ``fabriclite run`` its launcher ends the run once the ranks have exited (with 0 or 75): it
 requeues the SLURM job where that is allowed (``requeue``) and exits with ``PREEMPTED_EXIT_CODE``. Ranks with no
@@ -26,60 +24,26 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import threading
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-# sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry". Run the same command again.
-PREEMPTED_EXIT_CODE = 75
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from fabriclite import signals
+from fabriclite.signals import (  # the names users and launchers know them by, here
+    NOTICES as SIGNALS,
+    PREEMPTED_EXIT_CODE,
+    SAME_NOTICE_S,
+    requeue,
+    slurm_job_id,
+)
 
-# A notice again within this many seconds is the same one come by another path: SLURM may signal every process of a
-# job step, the ranks and the launcher above them, and the launcher passes it on to the ranks too.
-SAME_NOTICE_S = 2.0
+__all__ = ["PREEMPTED_EXIT_CODE", "SAME_NOTICE_S", "SIGNALS", "agreed", "requeue", "settle", "slurm_job_id"]
 
-_received: int | None = None  # the first preemption signal this process got
-_received_at = 0.0  # when (time.monotonic())
-_installed = False
-_rank = 0  # this process's global rank, for the line said on a notice
 _agreed = False
 _in_flight: _Reduction | None = None  # the all-reduce the last read started
-
-
-def install(rank: int = 0) -> None:
-    """Note SIGTERM and SIGUSR1 instead of dying of them (a second one kills as usual); ``rank`` names this process
-    in the line said on a notice. From the main thread only (Python's rule for signal handlers); elsewhere it does
-    nothing. Usage: ``install(fabric.global_rank)`` once per process."""
-    global _installed, _rank
-    _rank = rank
-    if _installed or threading.current_thread() is not threading.main_thread():
-        return
-    for signum in SIGNALS:
-        signal.signal(signum, _note)
-    _installed = True
-
-
-def _note(signum: int, frame: Any) -> None:
-    global _received, _received_at
-    if _received is not None:
-        if time.monotonic() - _received_at < SAME_NOTICE_S:
-            return
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)  # the second notice: end now, as the signal would have without us
-        return
-    _received, _received_at = signum, time.monotonic()
-    message = (
-        f"fabriclite: rank {_rank} received {signal.Signals(signum).name}; fabric.preempted becomes True on every rank "
-        f"within two reads (a second signal, {SAME_NOTICE_S:g} s or more later, ends the run at once).\n"
-    )
-    os.write(2, message.encode())  # not print(): the main thread may be inside a print right now
 
 
 def agreed(strategy: Any) -> bool:
@@ -91,13 +55,13 @@ def agreed(strategy: Any) -> bool:
     global _agreed, _in_flight
     if _agreed:
         return True
-    install(strategy.global_rank)
-    noticed = _received is not None
+    signals.install(strategy.global_rank)  # done at Fabric creation already, unless that was not the main thread
+    noticed = signals.noticed() is not None
     if strategy.world_size > 1 and dist.is_available() and dist.is_initialized():
         previous, _in_flight = _in_flight, None
-        noticed = previous is not None and previous.result()
+        here, noticed = noticed, previous is not None and previous.result()
         if not noticed:
-            _in_flight = _Reduction(_received is not None, strategy.root_device)
+            _in_flight = _Reduction(here, strategy.root_device)
     elif strategy.world_size > 1:  # no process group to start an asynchronous collective on: the strategy's own
         flag = torch.tensor([float(noticed)], device=strategy.root_device)
         noticed = bool(strategy.all_reduce(flag, reduce_op="max").item())
@@ -167,34 +131,3 @@ def _end(strategy: Any) -> None:
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def slurm_job_id() -> str | None:
-    """The id under which SLURM requeues this job, or None outside SLURM: ``<array job>_<task>`` in an array job
-    (``SLURM_ARRAY_JOB_ID``, ``SLURM_ARRAY_TASK_ID``; the task, not the whole array, is what was preempted), else
-    ``SLURM_JOB_ID``. Usage: ``scontrol requeue <slurm_job_id()>``."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return os.environ.get("SLURM_JOB_ID")
-
-
-def requeue(say: Any = print) -> bool:
-    """In a SLURM job, ask SLURM to requeue it (``scontrol requeue`` with ``slurm_job_id()``); True when it did. A
-    job that may not be requeued (``--no-requeue``, the cluster's policy) makes scontrol fail: False, and the reason
-    said."""
-    job = slurm_job_id()
-    scontrol = shutil.which("scontrol")
-    if job is None or scontrol is None:
-        return False
-    try:
-        result = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        say(f"fabriclite: could not requeue SLURM job {job} ({error}).")
-        return False
-    if result.returncode != 0:
-        reason = (result.stderr or result.stdout).strip() or f"exit code {result.returncode}"
-        say(f"fabriclite: SLURM did not requeue job {job}: {reason}.")
-        return False
-    say(f"fabriclite: requeued SLURM job {job}; it resumes from its latest checkpoint when it starts again.")
-    return True

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from fabriclite import signals
 from fabriclite._collections import map_with_path
 from fabriclite._signatures import accepted_kwargs
 from fabriclite.checkpoint.background import Checkpointer, shard_key
@@ -227,7 +228,8 @@ def save_state(
     collective (``Checkpointer.settle``) says on every rank how the previous asynchronous write ended, whether an
     asynchronous save may replace what is at ``path``, and gathers the random streams."""
     check_keep_last(keep)
-    _save_state(strategy, precision, Path(path), state, checkpointer, filter, keep, asynchronous)
+    with signals.saving():  # a second preemption notice waits for this save
+        _save_state(strategy, precision, Path(path), state, checkpointer, filter, keep, asynchronous)
 
 
 def _save_state(

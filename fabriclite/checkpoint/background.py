@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from fabriclite import signals
 from fabriclite._collections import map_with_path
 from fabriclite.checkpoint.errors import CheckpointError, first_line, save_failure
 
@@ -289,23 +290,25 @@ def _not_done(error: CheckpointError, doing: str) -> CheckpointError:
 
 
 def _write_file(staged: Any, path: Path, io: Any, write_file: Callable, after: Callable[[], None] | None) -> None:
-    try:
-        write_file(staged, path, io)
-    except BaseException as error:
-        raise _failure(path, error, io) from error
-    if after is not None:
-        after()
+    with signals.saving():  # a second preemption notice waits for this write
+        try:
+            write_file(staged, path, io)
+        except BaseException as error:
+            raise _failure(path, error, io) from error
+        if after is not None:
+            after()
 
 
 def _write_sharded(staged: Any, path: Path, group: _Group, after: Callable[[], None] | None) -> None:
     from fabriclite.checkpoint.sharded import save_sharded
 
-    try:
-        save_sharded(staged, path, group)
-    except BaseException as error:
-        raise _failure(path, error, None) from error
-    if after is not None:
-        after()
+    with signals.saving():
+        try:
+            save_sharded(staged, path, group)
+        except BaseException as error:
+            raise _failure(path, error, None) from error
+        if after is not None:
+            after()
 
 
 def _failure(path: Path, error: BaseException, io: Any) -> CheckpointError:

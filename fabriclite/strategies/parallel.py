@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from fabriclite import collectives, preemption
+from fabriclite import collectives, preemption, signals
 from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
-from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher, stop_on_interrupt
+from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from fabriclite.plugins.environments import (
     ClusterEnvironment,
     ProcessEnvironment,
@@ -152,8 +152,8 @@ class ParallelStrategy(Strategy):
         if self.environment is not None:  # e.g. SLURM names the main node but sets no MASTER_* variables
             os.environ.setdefault("MASTER_ADDR", self.environment.main_address)
             os.environ.setdefault("MASTER_PORT", str(self.environment.main_port))
-        if self.world_size > 1:  # one process needs no help: its interrupt is Python's KeyboardInterrupt
-            stop_on_interrupt(getattr(self.launcher, "children", []))
+        signals.install(self.global_rank)  # done at Fabric creation; this names the rank in what it says
+        signals.forward_to(getattr(self.launcher, "children", []))
         with saying_who_has_not_joined(self.environment, self.stall_timeout):
             # `timeout` bounds the collectives; joining waits longer, for processes that are slow to start (a loaded
             # machine takes seconds to import torch) rather than failing a run with a short collective timeout.
