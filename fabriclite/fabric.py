@@ -410,9 +410,12 @@ class Fabric(LegacyAPI):
     def load_latest(self, folder: str | os.PathLike, state: dict[str, Any], strict: bool = True, **options: Any) -> Any:
         """``load`` the newest complete checkpoint in ``folder`` into ``state`` and return its path, or return None
         (a fresh start). Usage: ``if fabric.load_latest("ckpts", state) is None: fabric.print("fresh start")``."""
-        path = checkpoint.latest(self._strategy, folder, self._checkpointer)
+        weights_only = options.get("weights_only", True)
+        keys = state if strict else ()  # a checkpoint lacking a key of state (a model-only best.ckpt) is not one
+        path = checkpoint.latest(self._strategy, folder, self._checkpointer, keys, weights_only)
         if path is not None:
-            self.load(path, state, strict, **options)
+            _, meta = self._load(path, state, strict, **options)
+            self._checkpointer.resume((meta or {}).get("series"))  # later saves go on with that run
         return path
 
     def load(
@@ -431,6 +434,10 @@ class Fabric(LegacyAPI):
         checkpoint and restores nothing. The checksums are verified before anything is loaded (``verify=False``
         skips that); any problem raises ``CheckpointError``. Usage: ``remainder = fabric.load("last.ckpt", state)``.
         """
+        return self._load(path, state, strict, weights_only=weights_only, verify=verify)[0]
+
+    def _load(self, path: Any, state: Any, strict: bool, weights_only: bool = True, verify: bool = True) -> tuple:
+        # `load`, also returning fabriclite's entry of the checkpoint (`load_latest` reads the run's series in it).
         if state is not None and not isinstance(state, dict):
             raise TypeError(f"fabric.load expects state to be a dict (filled in place), got {type(state).__name__}.")
         remainder, meta = self._strategy.load_checkpoint(
@@ -439,7 +446,7 @@ class Fabric(LegacyAPI):
         if state is not None and meta is not None:
             checkpoint.restore_meta(meta, self._precision, self.global_rank, path)
         self._strategy.barrier("load")
-        return remainder
+        return remainder, meta
 
     def load_raw(
         self,

@@ -34,6 +34,7 @@ from fabriclite.checkpoint.errors import (
     save_failure,
 )
 from fabriclite.checkpoint.files import (
+    META_KEY,
     CheckpointIO,
     TorchCheckpointIO,
     atomic_save,
@@ -67,9 +68,6 @@ __all__ = [
     "safe_load",
     "save",
 ]
-
-# Where fabric.save keeps what it adds to the user's state: random streams, the loss scaler.
-META_KEY = "__fabriclite__"
 
 
 # ---------------------------------------------------------------------- state <-> checkpoint
@@ -252,8 +250,8 @@ def _save_state(
         capture_rng_state(),
         doing=f"the save of {str(path)!r}",
     )
-    meta = capture_meta(strategy, precision, rng_per_rank)
-    after = None if keep is None else functools.partial(_keep_last, path, keep)
+    meta = {**capture_meta(strategy, precision, rng_per_rank), "series": checkpointer.series()}
+    after = None if keep is None else functools.partial(_keep_last, path, keep, checkpointer.run)
     if asynchronous:
         sharded = getattr(strategy, "state_dict_type", "full") == "sharded"
         checkpointer.start(strategy, path, to_checkpoint(state, meta, filter), _save_file, sharded, after)
@@ -263,11 +261,11 @@ def _save_state(
         after()
 
 
-def _keep_last(path: Path, count: int) -> None:
+def _keep_last(path: Path, count: int, run: str) -> None:
     # The checkpoint at `path` is saved whatever happens here: a failure to remove older ones is said, not raised
     # (raised on rank 0 alone it would also leave the other ranks waiting at the next collective).
     try:
-        keep_last(path, count)
+        keep_last(path, count, run)
     except Exception as error:
         print(
             f"fabriclite: {str(path)!r} is saved, but removing the checkpoints beyond keep_last={count} beside it "
@@ -277,13 +275,17 @@ def _keep_last(path: Path, count: int) -> None:
         )
 
 
-def latest(strategy: Any, folder: str | os.PathLike, checkpointer: Checkpointer) -> Path | None:
-    """The newest complete checkpoint in ``folder`` as rank 0 finds it, on every rank (None: a fresh start), once
-    ``checkpointer``'s write still running has ended."""
+def latest(
+    strategy: Any, folder: str | os.PathLike, checkpointer: Checkpointer, keys: Any = (), weights_only: bool = True
+) -> Path | None:
+    """The newest complete checkpoint in ``folder`` holding every key of ``keys``, as rank 0 finds it, on every rank
+    (None: a fresh start), once ``checkpointer``'s write still running has ended. The run ``checkpointer`` goes on
+    with comes first."""
+    keys = list(keys)
     found, _ = checkpointer.settle(
         strategy,
         check_folder(folder),
-        lambda: newest_complete(folder),
+        lambda: newest_complete(folder, checkpointer.run, keys, weights_only),
         fail=lambda _, e: e,
         doing=f"load_latest({str(folder)!r})",
     )

@@ -25,6 +25,8 @@ import copy
 import os
 import sys
 import threading
+import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -39,14 +41,20 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose memory is staged as
 
 
 class Checkpointer:
-    """The asynchronous saves of one Fabric: ``start`` stages a checkpoint and writes it in the background,
-    ``settle`` waits for that write (every rank, before the next save or ``load_latest``).
+    """The checkpoints of one Fabric: the run's series (``series``: which run, which save of it), and asynchronous
+    saves (``start`` stages a checkpoint and writes it in the background, ``settle`` waits for that write, on every
+    rank, before the next save or ``load_latest``).
 
     Usage: ``checkpointer.start(strategy, path, checkpoint, write_file, sharded=False)``, later
     ``checkpointer.settle(strategy, path)``.
     """
 
     def __init__(self) -> None:
+        # The run: named from outside where the scheduler gives it one (a requeued SLURM job keeps its id), else
+        # taken over from the checkpoint load_latest resumes, else new. Its saves count up across restarts.
+        self._named_run = os.environ.get("FABRICLITE_RUN_ID") or signals.slurm_job_id()
+        self.run = self._named_run or uuid.uuid4().hex[:16]
+        self._sequence = 0
         self._buffers: dict[tuple, torch.Tensor] = {}  # host bytes, by the place in the state that first needed them
         self._pending: tuple[Path, Future | None] | None = None  # on every rank; the future where this rank writes
         self._executor: ThreadPoolExecutor | None = None
@@ -54,6 +62,22 @@ class Checkpointer:
         self._stream: Any = None  # the side stream copies off a GPU are queued on
         self._cpu_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source bytes, host bytes), this stage
         self._copiers: ThreadPoolExecutor | None = None  # the threads that help the loop's thread copy
+
+    # ------------------------------------------------------------------ the run's series
+    def series(self) -> dict[str, Any]:
+        """What the next checkpoint records of its place in the run (``latest.Series``); every rank calls it at
+        every save, so the numbers agree."""
+        self._sequence += 1
+        return {"run": self.run, "sequence": self._sequence, "saved_at": time.time()}
+
+    def resume(self, series: Any) -> None:
+        """Go on with the run that wrote the checkpoint ``load_latest`` resumed from (its ``series``), unless the
+        scheduler names this run; later saves are numbered after it."""
+        if not isinstance(series, dict):
+            return
+        if not self._named_run and series.get("run"):
+            self.run = str(series["run"])
+        self._sequence = max(self._sequence, int(series.get("sequence", 0)))
 
     # ------------------------------------------------------------------ stage
     def stage(self, checkpoint: dict[str, Any], keep: bool, sharded: bool) -> Any:
