@@ -63,7 +63,7 @@ def agreed(strategy: Any) -> bool:
         if not noticed:
             _in_flight = _Reduction(here, strategy.root_device)
     elif strategy.world_size > 1:  # no process group to start an asynchronous collective on: the strategy's own
-        flag = torch.tensor([float(noticed)], device=strategy.root_device)
+        flag = torch.full((1,), float(noticed), device=strategy.root_device)
         noticed = bool(strategy.all_reduce(flag, reduce_op="max").item())
     _agreed = noticed
     if noticed:
@@ -75,7 +75,8 @@ class _Reduction:
     """The maximum of every rank's flag, started now and read at the next ``agreed``."""
 
     def __init__(self, noticed: bool, device: torch.device) -> None:
-        self.flag = torch.tensor([float(noticed)], device=device)
+        # Filled on the device, not copied from a host list: on a GPU that copy would wait for the step queued so far.
+        self.flag = torch.full((1,), float(noticed), device=device)
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
         self.copied = None
         if self.flag.is_cuda:

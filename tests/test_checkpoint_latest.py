@@ -225,6 +225,7 @@ def test_on_two_ranks_an_asynchronous_failure_or_refusal_raises_on_every_rank(tm
         [
             "failed write raises on every rank",
             "occupied target refused on every rank",
+            "a staging failure on rank 0 alone raises on every rank",
             "newest agreed after failures",
         ],
     )

@@ -59,7 +59,7 @@ class Checkpointer:
         self._pending: tuple[Path, Future | None] | None = None  # on every rank; the future where this rank writes
         self._executor: ThreadPoolExecutor | None = None
         self._group: _Group | None = None  # the sharded writes' own process group, made at the first
-        self._stream: Any = None  # the side stream copies off a GPU are queued on
+        self._streams: dict[torch.device, Any] = {}  # per GPU, the side stream its copies are queued on
         self._cpu_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source bytes, host bytes), this stage
         self._copiers: ThreadPoolExecutor | None = None  # the threads that help the loop's thread copy
 
@@ -80,47 +80,66 @@ class Checkpointer:
         self._sequence = max(self._sequence, int(series.get("sequence", 0)))
 
     # ------------------------------------------------------------------ stage
-    def stage(self, checkpoint: dict[str, Any], keep: bool, sharded: bool) -> Any:
-        """``checkpoint`` as it is now, in this checkpointer's host buffers (tensors) and deep copies (the rest).
-        Sharded tensors are gathered (a collective: every rank calls it, ``keep`` only where the copy is wanted),
-        or with ``sharded`` staged as their local shard. Returns None where ``keep`` is False."""
+    def stage(self, checkpoint: dict[str, Any], keep: bool, sharded: bool) -> tuple[Any, Exception | None]:
+        """``checkpoint`` as it is now, in this checkpointer's host buffers (tensors) and deep copies (the rest), and
+        the first error that stopped it (None). Sharded tensors are gathered (a collective: every rank calls it,
+        ``keep`` only where the copy is wanted), or with ``sharded`` staged as their local shard. An error does not
+        stop the collectives, so the ranks stay in step. The staged checkpoint is None where ``keep`` is False."""
         copies: dict[tuple, torch.Tensor] = {}  # a source's storage (alive meanwhile) -> its host copy, in this call
         gathered: dict[tuple, torch.Tensor | None] = {}  # a sharded tensor's local shard -> its staged full value
+        failed: list[Exception] = []
+
+        def stage_tensor(key: tuple, tensor: torch.Tensor, shared: dict | None) -> torch.Tensor | None:
+            if failed:
+                return None
+            try:
+                return self._stage_tensor(key, tensor, shared)
+            except Exception as error:  # a pinned allocation that failed, say: on this rank alone
+                failed.append(error)
+                return None
 
         def tensor_copy(key: tuple, tensor: torch.Tensor) -> torch.Tensor | None:
             if type(tensor).__name__ != "DTensor":
-                return self._stage_tensor(key, tensor, copies) if keep or sharded else None
+                return stage_tensor(key, tensor, copies) if keep or sharded else None
             local = tensor.to_local()
             if sharded:
                 from torch.distributed.tensor import DTensor
 
+                shard = stage_tensor(key, local, copies)
                 return DTensor.from_local(
-                    self._stage_tensor(key, local, copies), tensor.device_mesh, tensor.placements,
-                    run_check=False, shape=tensor.shape, stride=tensor.stride(),
-                )  # fmt: skip
+                    shard, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                    stride=tensor.stride(),
+                ) if shard is not None else None  # fmt: skip
             shard = shard_key(tensor)  # a tied weight appears twice: gathered once
             if shard not in gathered:
                 full = tensor.full_tensor()  # a collective, in the same order on every rank
                 # Staged at once and let go, so a GPU holds one gathered tensor at a time, never the whole state;
                 # not shared through `copies`, since the next gathered tensor may reuse its freed address.
-                gathered[shard] = self._stage_tensor(key, full, None) if keep else None
+                gathered[shard] = stage_tensor(key, full, None) if keep else None
             return gathered[shard]
 
         def value_copy(key: tuple, value: Any) -> Any:
             try:
                 return copy.deepcopy(value)
             except Exception as error:
-                raise TypeError(
-                    f"fabric.save(..., asynchronous=True) copies the state as it is at the call, and {_name(key)} "
-                    f"({type(value).__name__}) cannot be copied ({first_line(error)}). Make it copyable "
-                    "(copy.deepcopy), or save with asynchronous=False."
-                ) from error
+                failed.append(
+                    TypeError(
+                        f"fabric.save(..., asynchronous=True) copies the state as it is at the call, and {_name(key)} "
+                        f"({type(value).__name__}) cannot be copied ({first_line(error)}). Make it copyable "
+                        "(copy.deepcopy), or save with asynchronous=False."
+                    )
+                )
+                failed[-1].__cause__ = error
+                return None
 
         staged = map_with_path(checkpoint, torch.Tensor, tensor_copy, value_copy)
-        self._copy_on_cores()
-        if self._stream is not None:
-            self._stream.synchronize()  # the copies off the GPU have landed: the loop may change the sources now
-        return staged if keep or sharded else None
+        try:
+            self._copy_on_cores()
+            for stream in self._streams.values():
+                stream.synchronize()  # the copies off the GPU have landed: the loop may change the sources now
+        except Exception as error:
+            failed.append(error)
+        return (staged if keep or sharded else None), (failed[0] if failed else None)
 
     def _stage_tensor(self, key: tuple, tensor: torch.Tensor, copies: dict[tuple, torch.Tensor] | None) -> torch.Tensor:
         # `copies`: None for a temporary (gathered) tensor, copied at once and shared with nothing.
@@ -157,10 +176,11 @@ class Checkpointer:
         if not source.is_cuda:
             self._cpu_copies.append((source, host))  # all at once at the end of stage, on every core
             return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(source.device)
-        self._stream.wait_stream(torch.cuda.current_stream(source.device))  # after the work queued before the call
-        with torch.cuda.stream(self._stream):
+        stream = self._streams.get(source.device)
+        if stream is None:
+            stream = self._streams[source.device] = torch.cuda.Stream(source.device)
+        stream.wait_stream(torch.cuda.current_stream(source.device))  # after the work queued before the call
+        with torch.cuda.stream(stream):
             host.copy_(source, non_blocking=True)  # into pinned memory: the host goes on queueing
 
     def _copy_on_cores(self) -> None:
@@ -196,13 +216,22 @@ class Checkpointer:
         rank 0. Every rank calls it, after ``settle``."""
         if sharded:
             group = self._own_group(strategy)  # a collective: before anything is staged
-            staged = self.stage(checkpoint, keep=True, sharded=True)
+            staged, error = self.stage(checkpoint, keep=True, sharded=True)
             last = after if strategy.is_global_zero else None
-            future = self._submit(_write_sharded, staged, path, group, last)
+            # Every rank's write begins by agreeing on how staging went: one rank's error fails it on all.
+            future = self._submit(_write_sharded, staged, path, group, last, error)
         else:
-            staged = self.stage(checkpoint, keep=strategy.is_global_zero, sharded=False)
+            staged, error = self.stage(checkpoint, keep=strategy.is_global_zero, sharded=False)
+            if error is not None and strategy.world_size == 1:
+                raise error
             io = strategy.checkpoint_io
-            future = self._submit(_write_file, staged, path, io, write_file, after) if strategy.is_global_zero else None
+            if error is not None:  # on this rank alone, maybe: the next save or load_latest raises it on every rank
+                future = Future()
+                future.set_exception(_failure(path, error, None))  # nothing was written
+            elif strategy.is_global_zero:
+                future = self._submit(_write_file, staged, path, io, write_file, after)
+            else:
+                future = None
         self._pending = (path, future)
 
     def _submit(self, write: Callable, *args: Any) -> Future:
@@ -323,10 +352,20 @@ def _write_file(staged: Any, path: Path, io: Any, write_file: Callable, after: C
             after()
 
 
-def _write_sharded(staged: Any, path: Path, group: _Group, after: Callable[[], None] | None) -> None:
+def _write_sharded(
+    staged: Any, path: Path, group: _Group, after: Callable[[], None] | None, error: Exception | None
+) -> None:
     from fabriclite.checkpoint.sharded import save_sharded
 
     with signals.saving():
+        failures = group.all_gather_object(None if error is None else first_line(error))
+        if any(failures):
+            if error is not None:
+                raise _failure(path, error, None) from error
+            rank = next(rank for rank, failure in enumerate(failures) if failure)
+            raise CheckpointError(
+                path, "unwritable", f"Could not save {str(path)!r}: on rank {rank}, {failures[rank]}."
+            )
         try:
             save_sharded(staged, path, group)
         except BaseException as error:
