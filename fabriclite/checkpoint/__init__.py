@@ -365,8 +365,10 @@ def _gathered(tensor: torch.Tensor, keep: bool, gathered: dict[tuple, Any]) -> t
     if type(tensor).__name__ != "DTensor":
         return tensor if keep else None
     shard = shard_key(tensor)  # a tied weight appears twice: gathered once, written once
-    if shard not in gathered:
+    if shard is None or shard not in gathered:
         full = tensor.full_tensor()  # a collective: every rank walks the same tensors in the same order
+        if shard is None:
+            return full.cpu() if keep else None
         gathered[shard] = full.cpu() if keep else None
     return gathered[shard]
 

@@ -111,11 +111,14 @@ class Checkpointer:
                     stride=tensor.stride(),
                 ) if shard is not None else None  # fmt: skip
             shard = shard_key(tensor)  # a tied weight appears twice: gathered once
-            if shard not in gathered:
+            if shard is None or shard not in gathered:
                 full = tensor.full_tensor()  # a collective, in the same order on every rank
                 # Staged at once and let go, so a GPU holds one gathered tensor at a time, never the whole state;
                 # not shared through `copies`, since the next gathered tensor may reuse its freed address.
-                gathered[shard] = stage_tensor(key, full, None) if keep else None
+                staged = stage_tensor(key, full, None) if keep else None
+                if shard is None:
+                    return staged
+                gathered[shard] = staged
             return gathered[shard]
 
         def value_copy(key: tuple, value: Any) -> Any:
@@ -322,11 +325,18 @@ def _copy_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         host.copy_(source)
 
 
-def shard_key(tensor: Any) -> tuple:
+def shard_key(tensor: Any) -> tuple | None:
     """What names a sharded tensor (a DTensor) while it is alive: its local shard's place in memory, shape and
-    placements. Two entries of a state with the same key are one tensor (a tied weight), to be gathered once."""
+    placements. Two entries of a state with the same key are one tensor (a tied weight), to be gathered once; None
+    for a shard without memory of its own (an empty optimizer state on a rank that holds none of the tensor, where
+    every such shard has the same address), never one with another. Every rank must decide alike, since each key
+    gathered is a collective: a tied parameter's memory is never empty on any rank (FSDP pads every rank's shard to
+    the same size)."""
     local = tensor.to_local()
-    return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(tensor.placements)
+    storage = local.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return storage.data_ptr(), local.storage_offset(), tuple(local.shape), tuple(tensor.placements)
 
 
 def _not_done(error: CheckpointError, doing: str) -> CheckpointError:
