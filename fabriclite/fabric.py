@@ -90,8 +90,7 @@ class Fabric(LegacyAPI):
         self._kernels = bool(kernels) and kernels_usable(self.device) and self._precision.name != "64-true"
         self._compile = compile_kwargs(compile)
         self._compile_watches: list[CompileWatch] = []
-        # Notices (SIGTERM, SIGUSR1) are noted from now on, not fatal: setup, compilation and loading may take long.
-        signals.install(self._strategy.global_rank)
+        signals.install(self._strategy.global_rank)  # from now on SIGTERM and SIGUSR1 are noted, not fatal
         self._checkpointer = checkpoint.Checkpointer()  # asynchronous saves: staged at the call, written after
         self._callbacks = as_list(callbacks)
         self._loggers = as_list(loggers)
@@ -393,14 +392,11 @@ class Fabric(LegacyAPI):
         keep_last: int | None = None,
         asynchronous: bool = False,
     ) -> None:
-        """Write ``state`` atomically: modules, optimizers, schedulers, loaders (their position) and plain values,
-        plus the global random streams and the loss scaler, so ``load`` resumes bit-exactly.
-        ``filter`` maps a key of ``state`` to ``fn(name, value) -> bool`` choosing which entries of its state_dict
-        to keep. ``keep_last=K`` then removes the checkpoints named like ``path`` (other numbers) beyond the K newest
-        complete ones; ``asynchronous=True`` copies the state at the call into host memory (reused from save to save)
-        and writes that copy in the background while training goes on (docs/long-runs.md).
-        Usage: ``fabric.save(f"ckpts/step-{step}.ckpt", {"model": model, "step": step}, keep_last=3)``.
-        """
+        """Write ``state`` atomically (modules, optimizers, schedulers, loaders, plain values, plus the random streams
+        and the loss scaler, so ``load`` resumes bit-exactly). ``filter`` maps a key of ``state`` to ``fn(name, value)
+        -> bool`` choosing entries of its state_dict; ``keep_last=K`` removes this run's checkpoints named like ``path``
+        beyond the K newest; ``asynchronous=True`` copies the state at the call and writes it in the background.
+        Usage: ``fabric.save(f"ckpts/step-{step}.ckpt", {"model": model, "step": step}, keep_last=3)``."""
         checkpoint.check_state(state, filter)
         self._check_launched("save")
         checkpoint.save_state(
@@ -410,12 +406,11 @@ class Fabric(LegacyAPI):
     def load_latest(self, folder: str | os.PathLike, state: dict[str, Any], strict: bool = True, **options: Any) -> Any:
         """``load`` the newest complete checkpoint in ``folder`` into ``state`` and return its path, or return None
         (a fresh start). Usage: ``if fabric.load_latest("ckpts", state) is None: fabric.print("fresh start")``."""
-        weights_only = options.get("weights_only", True)
-        keys = state if strict else ()  # a checkpoint lacking a key of state (a model-only best.ckpt) is not one
-        path = checkpoint.latest(self._strategy, folder, self._checkpointer, keys, weights_only)
+        keys = state if strict else ()  # a checkpoint lacking a key of state (a model-only best.ckpt) is passed over
+        path = checkpoint.latest(self._strategy, folder, self._checkpointer, keys, options.get("weights_only", True))
         if path is not None:
-            _, meta = self._load(path, state, strict, **options)
-            self._checkpointer.resume((meta or {}).get("series"))  # later saves go on with that run
+            self.load(path, state, strict, **options)
+            self._checkpointer.resume(path)  # later saves go on with the run that wrote it
         return path
 
     def load(
@@ -434,10 +429,6 @@ class Fabric(LegacyAPI):
         checkpoint and restores nothing. The checksums are verified before anything is loaded (``verify=False``
         skips that); any problem raises ``CheckpointError``. Usage: ``remainder = fabric.load("last.ckpt", state)``.
         """
-        return self._load(path, state, strict, weights_only=weights_only, verify=verify)[0]
-
-    def _load(self, path: Any, state: Any, strict: bool, weights_only: bool = True, verify: bool = True) -> tuple:
-        # `load`, also returning fabriclite's entry of the checkpoint (`load_latest` reads the run's series in it).
         if state is not None and not isinstance(state, dict):
             raise TypeError(f"fabric.load expects state to be a dict (filled in place), got {type(state).__name__}.")
         remainder, meta = self._strategy.load_checkpoint(
@@ -446,7 +437,7 @@ class Fabric(LegacyAPI):
         if state is not None and meta is not None:
             checkpoint.restore_meta(meta, self._precision, self.global_rank, path)
         self._strategy.barrier("load")
-        return remainder, meta
+        return remainder
 
     def load_raw(
         self,

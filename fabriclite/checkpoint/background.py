@@ -70,14 +70,17 @@ class Checkpointer:
         self._sequence += 1
         return {"run": self.run, "sequence": self._sequence, "saved_at": time.time()}
 
-    def resume(self, series: Any) -> None:
-        """Go on with the run that wrote the checkpoint ``load_latest`` resumed from (its ``series``), unless the
+    def resume(self, path: Path) -> None:
+        """Go on with the run that wrote the checkpoint at ``path``, which ``load_latest`` resumed from, unless the
         scheduler names this run; later saves are numbered after it."""
-        if not isinstance(series, dict):
+        from fabriclite.checkpoint.latest import series_of
+
+        series = series_of(Path(path))
+        if series is None or series.run is None:
             return
-        if not self._named_run and series.get("run"):
-            self.run = str(series["run"])
-        self._sequence = max(self._sequence, int(series.get("sequence", 0)))
+        if not self._named_run:
+            self.run = series.run
+        self._sequence = max(self._sequence, series.sequence)
 
     # ------------------------------------------------------------------ stage
     def stage(self, checkpoint: dict[str, Any], keep: bool, sharded: bool) -> tuple[Any, Exception | None]:
