@@ -14,7 +14,8 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch.utils.data import DataLoader
 
-from fabriclite import checkpoint, choices, preemption, signals
+from fabriclite import checkpoint, choices
+from fabriclite.processes import preemption, signals
 from fabriclite._legacy import LegacyAPI
 from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device
 from fabriclite._collections import convert_tensors_to_scalars
@@ -24,7 +25,7 @@ from fabriclite.collectives import check_reduce_op
 from fabriclite.compile import CompileWatch, compile_kwargs
 from fabriclite.data import wrap_loader
 from fabriclite.kernels import kernels_usable
-from fabriclite.launcher import check_launch_function, do_nothing
+from fabriclite.processes.launcher import check_launch_function, do_nothing
 from fabriclite.plugins import split_plugins
 from fabriclite.plugins.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
@@ -138,7 +139,7 @@ class Fabric(LegacyAPI):
     @property
     def preempted(self) -> bool:
         """Whether SIGTERM or SIGUSR1 reached any rank (a collective: read it on every rank, once per step; see
-        ``fabriclite.preemption``). Usage: ``if fabric.preempted: fabric.save(path, state); sys.exit(75)``."""
+        ``fabriclite.processes.preemption``). Usage: ``if fabric.preempted: fabric.save(path, state); sys.exit(75)``."""
         return preemption.agreed(self._strategy)
 
     loggers = property(lambda self: self._loggers, doc="The loggers passed to ``Fabric(loggers=...)`` (a list).")

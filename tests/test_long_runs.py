@@ -29,7 +29,7 @@ from helpers import (
     still_running,
 )
 
-from fabriclite.preemption import PREEMPTED_EXIT_CODE
+from fabriclite.processes.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = LONG_RUN_SCRIPT
 TIMEOUT = LONG_RUN_TIMEOUT
@@ -164,7 +164,7 @@ def test_ranks_that_do_not_exit_by_the_deadline_after_a_notice_are_killed():
     rank = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
     supervise = textwrap.dedent(f"""\
         import sys
-        from fabriclite.supervisor import Supervisor
+        from fabriclite.processes.supervisor import Supervisor
         sys.exit(Supervisor([sys.executable, "-c", {rank!r}], processes=2, deadline=3).run())
     """)
     code, output, _ = interrupted(["-c", supervise], "ready", send(signal.SIGTERM))

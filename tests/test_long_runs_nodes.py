@@ -23,7 +23,7 @@ from helpers import (
 )
 
 from fabriclite.plugins.environments import free_port
-from fabriclite.preemption import PREEMPTED_EXIT_CODE
+from fabriclite.processes.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = LONG_RUN_SCRIPT
 TIMEOUT = LONG_RUN_TIMEOUT

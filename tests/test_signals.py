@@ -1,4 +1,4 @@
-"""The signal policy (fabriclite/signals.py), with real processes and real signals: a preemption notice at an
+"""The signal policy (fabriclite/processes/signals.py), with real processes and real signals: a preemption notice at an
 awkward moment (during setup, before the Fabric exists, during a long save, to a whole SLURM job step) ends with
 exit code 75 and a complete checkpoint or the previous one intact, never with a kill; a second notice waits for the
 save under way; the same notice twice counts once. SLURM cannot run here: its job step is simulated by signalling
@@ -25,7 +25,7 @@ from helpers import (
 )
 
 from fabriclite import Fabric
-from fabriclite.signals import PREEMPTED_EXIT_CODE
+from fabriclite.processes.signals import PREEMPTED_EXIT_CODE
 
 NOTICES = str(SCRIPTS / "notices.py")
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from fabriclite import signals
+from fabriclite.processes import signals
 from fabriclite._collections import map_with_path
 from fabriclite._signatures import accepted_kwargs
 from fabriclite.checkpoint.background import Checkpointer, shard_key

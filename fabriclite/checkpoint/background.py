@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from fabriclite import signals
+from fabriclite.processes import signals
 from fabriclite._collections import map_with_path
 from fabriclite.checkpoint.errors import CheckpointError, first_line, save_failure
 

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from fabriclite import collectives, preemption, signals
+from fabriclite import collectives
+from fabriclite.processes import preemption, signals
 from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
-from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
+from fabriclite.processes.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from fabriclite.plugins.environments import (
     ClusterEnvironment,
     ProcessEnvironment,
@@ -29,7 +30,7 @@ from fabriclite.plugins.environments import (
     detect_environment,
 )
 from fabriclite.strategies.strategy import Strategy
-from fabriclite.watchdog import StallWatchdog, saying_who_has_not_joined
+from fabriclite.processes.watchdog import StallWatchdog, saying_who_has_not_joined
 
 # How a launch starts the processes: run the script again ("popen" is Lightning's name for it), or multiprocessing.
 _JOIN_TIMEOUT = timedelta(minutes=30)  # the longest a process waits for the others to start and join
@@ -41,7 +42,7 @@ class ParallelStrategy(Strategy):
 
     ``timeout`` bounds how long a collective waits for a rank that died or hangs before raising. ``stall_timeout``
     (seconds; None turns it off) is when a rank waiting in a collective first prints which ranks have not arrived
-    and where each one is (``fabriclite.watchdog``), and when a slow start says which processes have not joined.
+    and where each one is (``fabriclite.processes.watchdog``), and when a slow start says which processes have not joined.
     """
 
     syncs_in_forward = True

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
 from fabriclite.checkpoint import TorchCheckpointIO
-from fabriclite.preemption import PREEMPTED_EXIT_CODE
+from fabriclite.processes.preemption import PREEMPTED_EXIT_CODE
 from noisy_step import noisy_step
 
 parser = argparse.ArgumentParser()

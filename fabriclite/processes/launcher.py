@@ -13,7 +13,7 @@ returns what this process's (or rank 0's) call returned.
   their rank is in the environment; forked ones (notebooks) get copies of this process's objects.
 
 Signals: SIGINT, SIGTERM or SIGUSR1 to the process the user started reaches every rank (``signals.forward_to``), and
-each rank takes it by ``fabriclite.signals``'s policy: an interrupt ends even a rank blocked in a collective within
+each rank takes it by ``fabriclite.processes.signals``'s policy: an interrupt ends even a rank blocked in a collective within
 seconds, a preemption notice lets every rank save first.
 """
 
@@ -30,9 +30,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from fabriclite import signals
+from fabriclite.processes import signals
 from fabriclite.plugins.environments import free_port
-from fabriclite.supervisor import (  # what every way of starting processes shares
+from fabriclite.processes.supervisor import (  # what every way of starting processes shares
     _ENDED,
     LAUNCHER_ENV,
     SIBLING_EXIT_GRACE_S,

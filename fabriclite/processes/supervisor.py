@@ -29,9 +29,9 @@ import sys
 import time
 from typing import Any
 
-from fabriclite.nodes import NodeGroup, NodeGroupError, pick_failure
+from fabriclite.processes.nodes import NodeGroup, NodeGroupError, pick_failure
 from fabriclite.plugins.environments import free_port
-from fabriclite.signals import GRACE_S, NOTICES as SIGNALS, PREEMPTED_EXIT_CODE, SAME_NOTICE_S, requeue
+from fabriclite.processes.signals import GRACE_S, NOTICES as SIGNALS, PREEMPTED_EXIT_CODE, SAME_NOTICE_S, requeue
 
 LAUNCHER_ENV = "FABRICLITE_LAUNCHER"  # who started a rank: our launchers set it, and ranks read it
 SIBLING_EXIT_GRACE_S = 1.0  # after a rank's error, how long to wait for a dying sibling to show its exit

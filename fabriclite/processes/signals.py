@@ -343,7 +343,7 @@ def _running_children() -> list[Any]:
 
 
 def _main_position(main_id: int) -> tuple[int, int, str] | None:
-    from fabriclite.watchdog import Places, describe, locate, operation_name
+    from fabriclite.processes.watchdog import Places, describe, locate, operation_name
 
     frame = sys._current_frames().get(main_id)
     if frame is None:
