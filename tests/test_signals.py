@@ -20,6 +20,7 @@ from helpers import (
     finish,
     python_env,
     read_until,
+    run_python,
     sigkill,
     still_running,
 )
@@ -162,3 +163,23 @@ def test_a_second_notice_to_fabriclite_run_lets_the_ranks_leave_and_a_third_kill
     code, output = run_and_signal(args, "saving", three_times)
     assert code == 128 + signal.SIGTERM, output[-3000:]
     assert "SIGTERM received a third time; killing every rank." in output
+
+
+FORKED_RANKS = """
+import os, signal, time
+from fabriclite import Fabric
+def work(fabric):
+    if fabric.global_rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    for step in range(1200):
+        time.sleep(0.05)
+        if fabric.preempted:
+            return "preempted"
+    return "never preempted"
+print(Fabric(accelerator="cpu", devices=2, strategy="ddp_fork").launch(work))
+"""
+
+
+def test_a_rank_forked_by_ddp_fork_takes_notices_of_its_own():
+    result = run_python("-c", FORKED_RANKS, timeout=180)
+    assert "preempted" in result.stdout and "never" not in result.stdout, result.stdout + result.stderr[-2000:]

@@ -19,7 +19,8 @@ setup, compilation, ``load_latest`` or the first step, so that a notice at any o
   blocked in native code (a collective waiting for a hung rank) never sees it: once the main thread has stayed at
   the very same instruction for ``INTERRUPT_GRACE_S``, the process exits with 130.
 - Every signal is passed on to the ranks this process started (``forward_to``) as it arrives.
-- A process forked from this one (a DataLoader worker) inherits handlers that ignore notices: its rank decides.
+- A process forked from this one (a DataLoader worker) inherits handlers that ignore notices: its rank decides. One
+  that takes a part in the run itself (a rank of ``ddp_fork``) installs a policy of its own.
 
 The C-level handler writes each signal's number to the wakeup fd even while the main thread is blocked; the
 watching thread reads it. Where someone else owns the wakeup fd (asyncio, an IDE), the Python handler hands each
@@ -92,7 +93,10 @@ def install(rank: int = 0) -> None:
     """Take notices (SIGTERM, SIGUSR1) by this module's policy, and start the thread that watches every signal;
     ``rank`` names this process in what it says. From the main thread only (Python's rule for signal handlers);
     elsewhere, and a second time, it only updates ``rank``. Usage: ``install(global_rank)``."""
-    global _installed
+    global _installed, _policy, _watching
+    if _policy.pid != os.getpid():  # forked, and taking a part in the run itself (ddp_fork): a policy of its own
+        _policy, _installed, _watching = _Policy(), False, False
+        _children.clear()
     _policy.rank = rank
     if _installed or threading.current_thread() is not threading.main_thread():
         return
