@@ -99,6 +99,17 @@ def test_a_second_notice_during_a_save_waits_for_it_then_exits_75(tmp_path, mode
     assert fabric.load_latest(tmp_path, state) == tmp_path / f"step-{state['step']}.ckpt" and state["step"] >= 3
 
 
+def test_a_third_notice_ends_a_process_at_once_even_inside_a_save(tmp_path):
+    def three_times(child):  # inside the 8 s save, which the second notice waits for
+        for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGTERM):
+            os.killpg(child.pid, signum)
+            time.sleep(2.5)  # later than one notice come twice
+
+    code, output = run_and_signal([NOTICES, str(tmp_path), "slow-save"], "saving", three_times)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    assert "received SIGTERM a third time; ending it at once" in output
+
+
 def test_a_notice_while_rank_0_saves_for_long_and_rank_1_waits_for_it_kills_no_rank(tmp_path):
     # Before: after 10 s without the main thread moving, each rank exited 143 with no checkpoint.
     code, output = run_and_signal(

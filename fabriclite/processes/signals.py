@@ -171,10 +171,9 @@ def _event(signum: int) -> bool:
             f"fabriclite: rank {rank} received {name} again; exiting with code {PREEMPTED_EXIT_CODE} once no save is under way."
         )
     elif action == "hard":
-        _say(f"fabriclite: rank {rank} received {name} a third time; ending it at once.")
+        _say(f"fabriclite: rank {rank} received {name} a third time; ending it at once (exit code {128 + signum}).")
         _kill_children()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)  # as the signal would have ended it without us
+        os._exit(128 + signum)  # as a shell reports the signal's default action; this may not be the main thread
     return _policy.leaving
 
 
