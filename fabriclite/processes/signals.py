@@ -188,6 +188,10 @@ def _leave_if_done() -> bool:
     with _policy.lock:
         if _policy.saves:
             return False
+    # The ranks this process started got the notice too, and leave once their own saves are done: they die with
+    # this process, so let them finish first (within the grace period).
+    while _running_children() and (_policy.grace_left() or 0) > 0:
+        time.sleep(0.1)
     _end_as_preempted()
     for stream in (sys.stdout, sys.stderr):
         try:
