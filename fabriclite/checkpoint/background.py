@@ -294,12 +294,6 @@ class Checkpointer:
             raise outcome[1] if strategy.is_global_zero else value
         return value, [theirs for _, _, theirs in gathered]
 
-    def wait(self, strategy: Any) -> None:
-        """Wait for the previous asynchronous save to end; if it failed, raise its error on every rank. Every rank
-        calls it; without an asynchronous save since the last ``settle``, it does nothing."""
-        if self._pending is not None:  # set on every rank at the same saves: the collective lines up
-            self.settle(strategy, self._pending[0])
-
     def _finish(self) -> CheckpointError | None:
         # This rank's outcome of the previous write (waiting for it), and the checkpointer ready for the next.
         pending, self._pending = self._pending, None
