@@ -174,7 +174,7 @@ def test_ranks_that_do_not_exit_by_the_deadline_after_a_notice_are_killed():
 
 @pytest.fixture
 def preemption_reset():
-    from fabriclite import preemption, signals
+    from fabriclite.processes import preemption, signals
 
     handlers = {signum: signal.getsignal(signum) for signum in signals.NOTICES}
     yield signals
