@@ -7,11 +7,10 @@ machine hits all alike), saving every ``--every`` steps but not at the last step
 into a temporary folder (``keep_last=1``). Reported on rank 0:
 
 - the time a save holds the loop, per save: the ``fabric.save`` call (an asynchronous save: waiting for the previous
-  write, one collective, copying what the loop may change before the next optimizer step), plus, for an
-  asynchronous save, the time the next optimizer step waits for the background copy of the parameters and the
-  optimizer state (shown on its own too). Every variant meets in a barrier where a save would be, outside the
-  timing: the ranks drift apart during the steps and the first collective after that waits for the slower one;
-  without the barrier the save's collective would wait it, and the next gradient all-reduce that much less;
+  write, one collective, staging the whole state into host buffers; nothing waits for it later). Every variant
+  meets in a barrier where a save would be, outside the timing: the ranks drift apart during the steps and the
+  first collective after that waits for the slower one; without the barrier the save's collective would wait it,
+  and the next gradient all-reduce that much less;
 - the loop's whole time over the loop without saves, per save: this also counts the steps slowed down while the
   background thread writes (on a 2-core machine it takes a core from the ranks);
 - and what reading ``fabric.preempted`` costs, read after each of ``--steps`` training steps (median per read).
@@ -36,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import describe  # noqa: E402
 
 from fabriclite import Fabric  # noqa: E402
-from fabriclite.checkpoint import background  # noqa: E402
 
 VARIANTS = ("no saves", "sync save", "async save")
 
@@ -60,23 +58,18 @@ def main() -> None:
     megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     batch = torch.randn(16, width)
 
-    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in VARIANTS}  # loop s, held, waits
-    waits = CopyWaits()
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}  # loop s, held
     with tempfile.TemporaryDirectory() as folder:
         folder = fabric.broadcast(folder)
         for round_index in range(args.rounds + 1):  # round 0 warms up
             order = VARIANTS[round_index % 3 :] + VARIANTS[: round_index % 3]
             for name in order:
                 target = Path(folder) / name.replace(" ", "-")
-                loop, held, waited = run(fabric, model, optimizer, batch, name, args, target, waits)
+                loop, held = run(fabric, model, optimizer, batch, name, args, target)
                 if round_index:
-                    results[name].append((loop, held, waited))
+                    results[name].append((loop, held))
                 if fabric.is_global_zero:
-                    print(
-                        f"round {round_index} {name}: loop {loop:.2f} s, held {held:.3f} s per save "
-                        f"({waited:.3f} s of it in the next step)",
-                        file=sys.stderr,
-                    )
+                    print(f"round {round_index} {name}: loop {loop:.2f} s, held {held:.3f} s per save", file=sys.stderr)
     # What reading fabric.preempted once per step costs the loop, read where a script reads it: after each step.
     reads = []
     fabric.barrier()
@@ -89,29 +82,25 @@ def main() -> None:
     if not fabric.is_global_zero:
         return
     saves = saves_per_round(args)
-    base = statistics.median(loop for loop, _, _ in results["no saves"])
-    sync_held = statistics.median(held for _, held, _ in results["sync save"])
+    base = statistics.median(loop for loop, _ in results["no saves"])
+    sync_held = statistics.median(held for _, held in results["sync save"])
     print("\n".join(describe()))
     print(
         f"\n2 processes (DDP, gloo), model {megabytes:.0f} MB per rank, {args.steps} steps per round, a save every "
         f"{args.every} steps, {args.rounds} rounds (medians)\n"
     )
-    print(
-        "| variant | loop s | s held per save | of it, the next step waits | held / sync save | extra loop s per save "
-        "| extra / sync save |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| variant | loop s | s held per save | held / sync save | extra loop s per save | extra / sync save |")
+    print("|---|---:|---:|---:|---:|---:|")
+    sync_extra = (statistics.median(loop for loop, _ in results["sync save"]) - base) / saves
     for name in VARIANTS:
-        loop = statistics.median(loop for loop, _, _ in results[name])
-        held = statistics.median(held for _, held, _ in results[name])
-        waited = statistics.median(waited for _, _, waited in results[name])
+        loop = statistics.median(loop for loop, _ in results[name])
+        held = statistics.median(held for _, held in results[name])
         extra = (loop - base) / saves
-        sync_extra = (statistics.median(loop for loop, _, _ in results["sync save"]) - base) / saves
         if name == "no saves":
-            print(f"| {name} | {loop:.3f} | | | | | |")
+            print(f"| {name} | {loop:.3f} | | | | |")
         else:
             print(
-                f"| {name} | {loop:.3f} | {held:.3f} | {waited:.3f} | {held / sync_held:.1%} | {extra:.3f} | "
+                f"| {name} | {loop:.3f} | {held:.3f} | {held / sync_held:.1%} | {extra:.3f} | "
                 f"{extra / sync_extra:.1%} |"
             )
     step_ms = base / args.steps * 1e3
@@ -121,44 +110,23 @@ def main() -> None:
     )
 
 
-class CopyWaits:
-    """Counts the seconds the loop's thread spends in ``background.check_copy``: what the optimizer's step (and
-    ``fabric.save``) waits for the background copy of an asynchronous save."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.check_copy = getattr(background, "check_copy", None)  # None: code from before it (nothing waits)
-        if self.check_copy is not None:
-            background.check_copy = self  # the wrapped optimizer's step looks it up on the module at each call
-
-    def __call__(self, block: bool = True) -> None:
-        before = time.perf_counter()
-        self.check_copy(block)
-        self.seconds += time.perf_counter() - before
-
-
-def run(fabric, model, optimizer, batch, name, args, folder: Path, waits: CopyWaits) -> tuple[float, float, float]:
+def run(fabric, model, optimizer, batch, name, args, folder: Path) -> tuple[float, float]:
     held = 0.0
-    in_saves = 0.0
     fabric.barrier()
     start = time.perf_counter()
-    waited = waits.seconds
     for step in range(1, args.steps + 1):
         train_step(fabric, model, optimizer, batch)
         if step % args.every == 0 and step < args.steps:  # each write overlaps steps
             fabric.barrier()  # every variant: the ranks' drift apart is not counted as the save's
             if name == "no saves":
                 continue
-            before, before_waits = time.perf_counter(), waits.seconds
+            before = time.perf_counter()
             state = {"model": model, "optimizer": optimizer, "step": step}
             fabric.save(folder / f"step-{step}.ckpt", state, keep_last=1, asynchronous=name == "async save")
             held += time.perf_counter() - before
-            in_saves += waits.seconds - before_waits
     loop = time.perf_counter() - start
-    step_waits = waits.seconds - waited - in_saves
-    background.wait(fabric.strategy)  # the last write ends before the next variant starts, outside the timing
-    saves = saves_per_round(args)
-    return loop, (held + step_waits) / saves, step_waits / saves
+    fabric.load_latest(folder / "none", {})  # the last write ends before the next variant starts, outside the timing
+    return loop, held / saves_per_round(args)
 
 
 def train_step(fabric, model, optimizer, batch) -> None:

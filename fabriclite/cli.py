@@ -248,8 +248,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
         del os.environ[name]  # a run inside a run must not inherit the outer run's settings
     os.environ.update(fabric_environment(settings))
-    from fabriclite.nodes import NODE_TIMEOUT_S, NodeGroup
-    from fabriclite.supervisor import Supervisor
+    from fabriclite.processes.nodes import NODE_TIMEOUT_S, NodeGroup
+    from fabriclite.processes.supervisor import Supervisor
 
     command = [sys.executable, args.script, *args.script_args]
     address, port = settings.get("main_address", "127.0.0.1"), settings.get("main_port")

@@ -14,7 +14,8 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch.utils.data import DataLoader
 
-from fabriclite import checkpoint, choices, preemption
+from fabriclite import checkpoint, choices
+from fabriclite.processes import preemption, signals
 from fabriclite._legacy import LegacyAPI
 from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device
 from fabriclite._collections import convert_tensors_to_scalars
@@ -24,7 +25,7 @@ from fabriclite.collectives import check_reduce_op
 from fabriclite.compile import CompileWatch, compile_kwargs
 from fabriclite.data import wrap_loader
 from fabriclite.kernels import kernels_usable
-from fabriclite.launcher import check_launch_function, do_nothing
+from fabriclite.processes.launcher import check_launch_function, do_nothing
 from fabriclite.plugins import split_plugins
 from fabriclite.plugins.precision import Precision, select_precision
 from fabriclite.seed import seed_everything as _seed_everything
@@ -90,6 +91,8 @@ class Fabric(LegacyAPI):
         self._kernels = bool(kernels) and kernels_usable(self.device) and self._precision.name != "64-true"
         self._compile = compile_kwargs(compile)
         self._compile_watches: list[CompileWatch] = []
+        signals.install(self._strategy.global_rank)  # from now on SIGTERM and SIGUSR1 are noted, not fatal
+        self._checkpointer = checkpoint.Checkpointer()  # asynchronous saves: staged at the call, written after
         self._callbacks = as_list(callbacks)
         self._loggers = as_list(loggers)
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
@@ -136,7 +139,7 @@ class Fabric(LegacyAPI):
     @property
     def preempted(self) -> bool:
         """Whether SIGTERM or SIGUSR1 reached any rank (a collective: read it on every rank, once per step; see
-        ``fabriclite.preemption``). Usage: ``if fabric.preempted: fabric.save(path, state); sys.exit(75)``."""
+        ``fabriclite.processes.preemption``). Usage: ``if fabric.preempted: fabric.save(path, state); sys.exit(75)``."""
         return preemption.agreed(self._strategy)
 
     loggers = property(lambda self: self._loggers, doc="The loggers passed to ``Fabric(loggers=...)`` (a list).")
@@ -390,25 +393,25 @@ class Fabric(LegacyAPI):
         keep_last: int | None = None,
         asynchronous: bool = False,
     ) -> None:
-        """Write ``state`` atomically: modules, optimizers, schedulers, loaders (their position) and plain values,
-        plus the global random streams and the loss scaler, so ``load`` resumes bit-exactly.
-        ``filter`` maps a key of ``state`` to ``fn(name, value) -> bool`` choosing which entries of its state_dict
-        to keep. ``keep_last=K`` then removes the checkpoints named like ``path`` (other numbers) beyond the K newest
-        complete ones; ``asynchronous=True`` writes in the background the state as it is at the call: parameters and
-        optimizer state are copied to CPU while the next step's forward and backward run, and until that step they
-        must change only through the optimizer (docs/long-runs.md).
-        Usage: ``fabric.save(f"ckpts/step-{step}.ckpt", {"model": model, "step": step}, keep_last=3)``.
-        """
+        """Write ``state`` atomically (modules, optimizers, schedulers, loaders, plain values, plus the random streams
+        and the loss scaler, so ``load`` resumes bit-exactly). ``filter`` maps a key of ``state`` to ``fn(name, value)
+        -> bool`` choosing entries of its state_dict; ``keep_last=K`` removes this run's checkpoints named like ``path``
+        beyond the K newest; ``asynchronous=True`` copies the state at the call and writes it in the background.
+        Usage: ``fabric.save(f"ckpts/step-{step}.ckpt", {"model": model, "step": step}, keep_last=3)``."""
         checkpoint.check_state(state, filter)
         self._check_launched("save")
-        checkpoint.save_state(self._strategy, self._precision, path, state, filter, keep_last, asynchronous)
+        checkpoint.save_state(
+            self._strategy, self._precision, path, state, self._checkpointer, filter, keep_last, asynchronous
+        )
 
     def load_latest(self, folder: str | os.PathLike, state: dict[str, Any], strict: bool = True, **options: Any) -> Any:
         """``load`` the newest complete checkpoint in ``folder`` into ``state`` and return its path, or return None
         (a fresh start). Usage: ``if fabric.load_latest("ckpts", state) is None: fabric.print("fresh start")``."""
-        path = checkpoint.latest(self._strategy, folder)
+        keys = state if strict else ()  # a checkpoint lacking a key of state (a model-only best.ckpt) is passed over
+        path = checkpoint.latest(self._strategy, folder, self._checkpointer, keys, options.get("weights_only", True))
         if path is not None:
             self.load(path, state, strict, **options)
+            self._checkpointer.resume(path)  # later saves go on with the run that wrote it
         return path
 
     def load(

@@ -19,7 +19,6 @@ import torch
 
 from fabriclite._collections import apply_to_collection
 from fabriclite.callbacks import call_hook
-from fabriclite.checkpoint import background
 from fabriclite.compile import compile_model
 from fabriclite.plugins.precision import Precision
 from fabriclite.rank_zero import PossibleUserWarning, rank_zero_warn
@@ -359,7 +358,6 @@ class _FabricOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         # `step` is looked up on every call: an LR scheduler may have wrapped the inner optimizer's since setup.
-        background.check_copy()  # an asynchronous save may still be copying the parameters and the state
         if closure is None:
             output = self._precision.optimizer_step(self._optimizer)
         else:
@@ -375,7 +373,6 @@ class _FabricOptimizer:
         return self._optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        background.check_copy()
         self._optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -396,10 +393,6 @@ class _FabricOptimizer:
 
     def __repr__(self) -> str:
         return f"Fabric{self._optimizer!r}"
-
-    # An asynchronous save copies this optimizer's parameters and state in the background: its step and
-    # load_state_dict wait for that copy (background.check_copy).
-    checks_async_copy = True
 
 
 def is_wrapped(obj: object) -> bool:

@@ -51,6 +51,55 @@ def test_a_newer_checkpoint_with_the_same_time_is_told_apart_by_the_number_in_it
     assert fabric.load_latest(tmp_path, {"step": 0}) == tmp_path / "step-10.ckpt"
 
 
+def test_newest_is_the_last_saved_whatever_the_files_modification_times_say(fabric, tmp_path):
+    # A requeue onto a host whose clock is ahead, or a folder copied without keeping times, reorders the mtimes.
+    save_steps(fabric, tmp_path, [1, 2, 3])
+    later = time.time_ns() + 3600 * 10**9
+    os.utime(tmp_path / "step-1.ckpt", ns=(later, later))
+    copy = tmp_path / "copied"
+    copy.mkdir()
+    for step in (3, 2, 1):  # copied newest first: the oldest checkpoint gets the newest time
+        (copy / f"step-{step}.ckpt").write_bytes((tmp_path / f"step-{step}.ckpt").read_bytes())
+        time.sleep(0.01)
+    for folder in (tmp_path, copy):
+        assert fabric.load_latest(folder, {"step": 0}) == folder / "step-3.ckpt"
+    save_steps(fabric, copy, [4], keep_last=2)  # and keep_last removes the older, not the newer
+    assert names(copy) == ["step-3.ckpt", "step-4.ckpt"]
+
+
+def test_a_model_only_best_checkpoint_or_a_foreign_file_is_never_taken_for_the_newest(fabric, tmp_path, capfd):
+    model = fabric.setup(torch.nn.Linear(4, 4))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    for step in (10, 20):
+        state["step"] = step
+        fabric.save(tmp_path / f"step-{step:06d}.ckpt", state, keep_last=3)
+    fabric.save(tmp_path / "best.ckpt", {"model": model})  # docs/long-runs.md's keep_last example
+    torch.save({"x": 1}, tmp_path / "other.pt")
+    resumed = {"model": model, "optimizer": optimizer, "step": 0}
+    assert Fabric(accelerator="cpu", devices=1).load_latest(tmp_path, resumed) == tmp_path / "step-000020.ckpt"
+    assert resumed["step"] == 20
+    assert "passes over" in capfd.readouterr().err  # best.ckpt lacks 'optimizer' and 'step': said, not loaded
+
+
+def test_keep_last_never_removes_another_runs_checkpoints_in_a_shared_folder(tmp_path):
+    seed1, seed2 = Fabric(accelerator="cpu", devices=1), Fabric(accelerator="cpu", devices=1)  # two runs
+    for step in (10, 20):
+        seed1.save(tmp_path / f"seed1-step-{step:06d}.ckpt", {"step": step}, keep_last=1)
+    seed2.save(tmp_path / "seed2-step-000010.ckpt", {"step": 10}, keep_last=1)
+    assert names(tmp_path) == ["seed1-step-000020.ckpt", "seed2-step-000010.ckpt"]
+
+
+def test_a_resumed_run_goes_on_with_its_series_and_keep_last_removes_its_older_checkpoints(fabric, tmp_path):
+    save_steps(fabric, tmp_path, [1, 2, 3], keep_last=2)
+    restarted = Fabric(accelerator="cpu", devices=1)  # a new process after a requeue, in effect
+    state = {"step": 0, "weight": None}
+    assert restarted.load_latest(tmp_path, state) == tmp_path / "step-3.ckpt"
+    save_steps(restarted, tmp_path, [4], keep_last=2)
+    assert names(tmp_path) == ["step-3.ckpt", "step-4.ckpt"]
+    assert Fabric(accelerator="cpu", devices=1).load_latest(tmp_path, state) == tmp_path / "step-4.ckpt"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])
 def test_a_damaged_newer_checkpoint_is_skipped_with_a_warning(fabric, tmp_path, capfd, damage):
     save_steps(fabric, tmp_path, [1, 2])
@@ -176,6 +225,7 @@ def test_on_two_ranks_an_asynchronous_failure_or_refusal_raises_on_every_rank(tm
         [
             "failed write raises on every rank",
             "occupied target refused on every rank",
+            "a staging failure on rank 0 alone raises on every rank",
             "newest agreed after failures",
         ],
     )

@@ -74,6 +74,7 @@ def test_compile_under_ddp_compiles_each_block_in_place_without_graph_breaks_and
         ("hang", ""),
         ("late", "process 1 exited with code 3; this run failed"),
         ("kill-late", "process 1 was killed by SIGKILL; stopping the other processes"),
+        ("kill-redirected", "process 1 was killed by SIGKILL; stopping the other processes"),
     ],
 )
 def test_a_failing_or_hanging_rank_stops_the_run_with_an_error_and_no_orphans(mode, message):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
+from fabriclite.processes.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from helpers import SCRIPTS, assert_passed, read_until, run_python, sigkill, start_python, still_running
 
 
@@ -115,7 +115,7 @@ def test_sigint_to_a_ddp_notebook_parent_stops_the_processes_it_forked():
 
 FORK_AFTER_GUARD = """
 import os, signal
-from fabriclite.launcher import stop_on_interrupt
+from fabriclite.processes.launcher import stop_on_interrupt
 stop_on_interrupt([])
 pid = os.fork()
 if pid == 0:  # a DataLoader worker, say: its signals must not reach the parent's interrupt thread

@@ -5,6 +5,7 @@ preempted, and the same commands resume it. (How the supervisors keep in step, w
 
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from helpers import (
 )
 
 from fabriclite.plugins.environments import free_port
-from fabriclite.preemption import PREEMPTED_EXIT_CODE
+from fabriclite.processes.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = LONG_RUN_SCRIPT
 TIMEOUT = LONG_RUN_TIMEOUT
@@ -147,13 +148,14 @@ def test_across_nodes_a_preempted_run_saves_at_one_step_and_the_same_commands_re
 
 
 def test_across_nodes_a_node_that_ends_the_run_alone_ends_the_others_with_its_code(tmp_path):
-    def twice(nodes, ranks):
-        nodes[0].send_signal(signal.SIGTERM)  # every rank now sleeps 30 s before it can save
-        read_until(nodes[0], "received SIGTERM", timeout=60)
-        nodes[0].send_signal(signal.SIGTERM)
+    def three_times(nodes, ranks):  # while rank 0 writes for 60 s: the second notice waits for it, the third kills
+        for _ in range(3):
+            nodes[0].send_signal(signal.SIGTERM)
+            time.sleep(2.5)  # later than one notice come twice
 
-    codes, outputs, ranks = two_nodes(tmp_path, "run", "--sleep", "30", at="step 1\n", act=twice)
+    flags = ("--save-every", "1", "--slow-io", "60")
+    codes, outputs, ranks = two_nodes(tmp_path, "run", *flags, at="saving", act=three_times)
     assert codes == [128 + signal.SIGTERM] * 2, outputs
-    assert "SIGTERM received again; killing every rank." in outputs[0], outputs
-    assert "node 0 ended the run with exit code 143 (received SIGTERM twice)" in outputs[1], outputs[1][-3000:]
+    assert "SIGTERM received a third time; killing every rank." in outputs[0], outputs
+    assert "node 0 ended the run with exit code 143 (received SIGTERM 3 times)" in outputs[1], outputs[1][-3000:]
     assert still_running(list(ranks.values()), within=30) == []

@@ -1,4 +1,4 @@
-"""Supervisors of one run on several machines kept in step (fabriclite/nodes.py), run for real as two
+"""Supervisors of one run on several machines kept in step (fabriclite/processes/nodes.py), run for real as two
 `fabriclite run` on loopback with a script that needs no training: a node whose ranks finished still restarts them
 when another node's rank dies, and a node started with settings other than node 0's is refused on its own. The training runs (restarts
 ending bit-identical, a lost node, preemption) are in test_long_runs_nodes.py."""
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import read_until, run_python, sigkill, start_python
 
-from fabriclite.nodes import NodeGroup, NodeGroupError, pick_failure
+from fabriclite.processes.nodes import NodeGroup, NodeGroupError, pick_failure
 from fabriclite.plugins.environments import free_port
 
 TIMEOUT = 300

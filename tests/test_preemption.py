@@ -9,7 +9,7 @@ import subprocess
 from helpers import SCRIPTS, fake_scontrol, read_until, sigkill, start_python, still_running
 
 from fabriclite.plugins.environments import free_port
-from fabriclite.preemption import PREEMPTED_EXIT_CODE, requeue
+from fabriclite.processes.preemption import PREEMPTED_EXIT_CODE, requeue
 
 SCRIPT = str(SCRIPTS / "long_run.py")
 TIMEOUT = 300

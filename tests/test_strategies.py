@@ -12,7 +12,7 @@ from torch import nn
 from fabriclite import Fabric
 from fabriclite.accelerators import CPUAccelerator
 from fabriclite.checkpoint import TorchCheckpointIO
-from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
+from fabriclite.processes.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from fabriclite.plugins import MixedPrecision, Precision
 from fabriclite.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy, select_strategy
 from helpers import LAUNCH_VARS, SCRIPTS, assert_passed, run_python

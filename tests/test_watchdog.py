@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from fabriclite.plugins.environments import free_port
 from fabriclite.strategies import DDPStrategy, FSDPStrategy
-from fabriclite.watchdog import Places, StallWatchdog, describe, locate
+from fabriclite.processes.watchdog import Places, StallWatchdog, describe, locate
 from helpers import SCRIPTS, read_until, sigkill, start_python
 
 

@@ -11,6 +11,7 @@ Both formats load into any number of processes, with or without FSDP; both carry
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -18,8 +19,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from fabriclite.processes import signals
 from fabriclite._collections import map_with_path
 from fabriclite._signatures import accepted_kwargs
+from fabriclite.checkpoint.background import Checkpointer, shard_key
 from fabriclite.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -28,8 +31,10 @@ from fabriclite.checkpoint.errors import (
     first_line,
     mismatch,
     read_failure,
+    save_failure,
 )
 from fabriclite.checkpoint.files import (
+    META_KEY,
     CheckpointIO,
     TorchCheckpointIO,
     atomic_save,
@@ -41,6 +46,7 @@ from fabriclite.checkpoint.files import (
     remove,
     replace,
     safe_load,
+    writes_atomically,
 )
 from fabriclite.checkpoint.latest import check_folder, check_keep_last, keep_last, newest_complete
 from fabriclite.checkpoint.sharded import LiveState, load_sharded, save_sharded, slice_like
@@ -51,6 +57,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIO",
     "CheckpointNotFoundError",
+    "Checkpointer",
     "TorchCheckpointIO",
     "atomic_save",
     "check_replaceable",
@@ -62,9 +69,6 @@ __all__ = [
     "safe_load",
     "save",
 ]
-
-# Where fabric.save keeps what it adds to the user's state: random streams, the loss scaler.
-META_KEY = "__fabriclite__"
 
 
 # ---------------------------------------------------------------------- state <-> checkpoint
@@ -199,8 +203,11 @@ def save(path: str | os.PathLike, checkpoint: dict[str, Any], strategy: Any, sha
     if sharded:
         save_sharded(checkpoint, path, strategy)
     else:
-        full = map_with_path(checkpoint, torch.Tensor, lambda _, t: _gathered(t, keep=strategy.is_global_zero))
-        agreed(strategy, lambda: _save_file(full, path, strategy.checkpoint_io), path)  # a failure raises on all ranks
+        io = strategy.checkpoint_io
+        gathered: dict[tuple, Any] = {}
+        full = map_with_path(checkpoint, torch.Tensor, lambda _, t: _gathered(t, strategy.is_global_zero, gathered))
+        fail = functools.partial(save_failure, plugin=not writes_atomically(io))
+        agreed(strategy, lambda: _save_file(full, path, io), path, fail)  # a failure raises on all ranks
 
 
 def save_state(
@@ -208,42 +215,81 @@ def save_state(
     precision: Any,
     path: str | os.PathLike,
     state: Mapping[str, Any],
+    checkpointer: Checkpointer,
     filter: Mapping[str, Callable] | None = None,
     keep: int | None = None,
     asynchronous: bool = False,
 ) -> None:
     """What ``fabric.save`` does on every rank: wait for the previous asynchronous save, add the random streams and
-    the loss scaler, write through the strategy (or in the background), then remove the checkpoints beyond the
-    ``keep`` newest complete ones named like ``path`` (``latest.keep_last``). Before the write, one collective
-    (``background.settle``) says on every rank how the previous asynchronous write ended, whether an asynchronous
-    save may replace what is at ``path``, and gathers the random streams."""
-    from fabriclite.checkpoint import background
-
+    the loss scaler, write through the strategy (or stage it now and write it in the background with
+    ``checkpointer``), then remove the checkpoints beyond the ``keep`` newest complete ones named like ``path``
+    (``latest.keep_last``; a failure there is said, and the saved checkpoint stays saved). Before the write, one
+    collective (``Checkpointer.settle``) says on every rank how the previous asynchronous write ended, whether an
+    asynchronous save may replace what is at ``path``, and gathers the random streams."""
     check_keep_last(keep)
-    if asynchronous:
-        background.check_strategy(strategy)
-    path = Path(path)
+    with signals.saving():  # a second preemption notice waits for this save
+        _save_state(strategy, precision, Path(path), state, checkpointer, filter, keep, asynchronous)
+
+
+def _save_state(
+    strategy: Any,
+    precision: Any,
+    path: Path,
+    state: Mapping[str, Any],
+    checkpointer: Checkpointer,
+    filter: Mapping[str, Callable] | None,
+    keep: int | None,
+    asynchronous: bool,
+) -> None:
     io = strategy.checkpoint_io
     # A synchronous save checks on its own when it writes; a plugin's own file format is its own to judge.
     check = asynchronous and (isinstance(io, TorchCheckpointIO) or not path.is_file())
-    _, rng_per_rank = background.settle(
-        strategy, path, (lambda: check_replaceable(path)) if check else None, capture_rng_state()
+    _, rng_per_rank = checkpointer.settle(
+        strategy,
+        path,
+        (lambda: check_replaceable(path)) if check else None,
+        capture_rng_state(),
+        doing=f"the save of {str(path)!r}",
     )
-    meta = capture_meta(strategy, precision, rng_per_rank)
-    after = None if keep is None else lambda: keep_last(path, keep)
+    meta = {**capture_meta(strategy, precision, rng_per_rank), "series": checkpointer.series()}
+    after = None if keep is None else functools.partial(_keep_last, path, keep, checkpointer.run)
     if asynchronous:
-        background.start(strategy, path, state, to_checkpoint(state, meta, filter), _save_file, after)
+        sharded = getattr(strategy, "state_dict_type", "full") == "sharded"
+        checkpointer.start(strategy, path, to_checkpoint(state, meta, filter), _save_file, sharded, after)
         return
     strategy.save_checkpoint(path, state, meta, filter)
     if after is not None and strategy.is_global_zero:
         after()
 
 
-def latest(strategy: Any, folder: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in ``folder`` as rank 0 finds it, on every rank (None: a fresh start)."""
-    from fabriclite.checkpoint import background
+def _keep_last(path: Path, count: int, run: str) -> None:
+    # The checkpoint at `path` is saved whatever happens here: a failure to remove older ones is said, not raised
+    # (raised on rank 0 alone it would also leave the other ranks waiting at the next collective).
+    try:
+        keep_last(path, count, run)
+    except Exception as error:
+        print(
+            f"fabriclite: {str(path)!r} is saved, but removing the checkpoints beyond keep_last={count} beside it "
+            f"failed ({first_line(error)}); they stay.",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    found, _ = background.settle(strategy, check_folder(folder), lambda: newest_complete(folder), fail=lambda _, e: e)
+
+def latest(
+    strategy: Any, folder: str | os.PathLike, checkpointer: Checkpointer, keys: Any = (), weights_only: bool = True
+) -> Path | None:
+    """The newest complete checkpoint in ``folder`` holding every key of ``keys``, as rank 0 finds it, on every rank
+    (None: a fresh start), once ``checkpointer``'s write still running has ended. The run ``checkpointer`` goes on
+    with comes first."""
+    keys = list(keys)
+    found, _ = checkpointer.settle(
+        strategy,
+        check_folder(folder),
+        lambda: newest_complete(folder, checkpointer.run, keys, weights_only),
+        fail=lambda _, e: e,
+        doing=f"load_latest({str(folder)!r})",
+    )
     return found
 
 
@@ -261,8 +307,6 @@ def load(
 
     Usage: ``remainder, meta = load("last.ckpt", {"model": model})``.
     """
-    if state is not None:
-        _wait_for_copy()
     if Path(path).is_dir():
         checkpoint = load_sharded(Path(path), state, weights_only, verify)
     else:
@@ -322,7 +366,6 @@ def load_raw(
     optimizer of a sharded model cuts its slices out of the full states on every rank."""
     if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         raise TypeError(f"fabric.load_raw loads into a module or an optimizer, got {type(obj).__name__}.")
-    _wait_for_copy()
     what = "the " + ("module" if isinstance(obj, torch.nn.Module) else "optimizer")
     if _has_dtensors(obj):
         if isinstance(obj, torch.nn.Module):
@@ -375,17 +418,16 @@ def _load_raw_sharded(
     set_model_state_dict(module, full, options=options)
 
 
-def _wait_for_copy() -> None:
-    # Loading into objects an asynchronous save is still copying would change what it copies.
-    from fabriclite.checkpoint import background
-
-    background.check_copy()
-
-
-def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    if type(tensor).__name__ == "DTensor":
-        tensor = tensor.full_tensor().cpu()  # a collective: every rank walks the same tensors in the same order
-    return tensor if keep else None
+def _gathered(tensor: torch.Tensor, keep: bool, gathered: dict[tuple, Any]) -> torch.Tensor | None:
+    if type(tensor).__name__ != "DTensor":
+        return tensor if keep else None
+    shard = shard_key(tensor)  # a tied weight appears twice: gathered once, written once
+    if shard is None or shard not in gathered:
+        full = tensor.full_tensor()  # a collective: every rank walks the same tensors in the same order
+        if shard is None:
+            return full.cpu() if keep else None
+        gathered[shard] = full.cpu() if keep else None
+    return gathered[shard]
 
 
 def _save_file(checkpoint: dict[str, Any], path: Path, checkpoint_io: CheckpointIO) -> None:

@@ -1,352 +1,455 @@
-"""Asynchronous checkpoints (``fabric.save(..., asynchronous=True)``): the checkpoint is the state at the call, bit
-for bit, while training goes on. At the call (``_snapshot``) everything is copied that the loop may change before
-the optimizer's next step: every value that is not a tensor (a deep copy), buffers (forward changes them), the
-user's own tensors. The parameters and the optimizer state, nearly all the bytes, are copied to CPU memory by rank
-0's writer thread, which then writes that copy. What could change them waits for that copy in ``check_copy``: the
-wrapped optimizer's step and ``load_state_dict``, loading, the next save; it also compares each copied tensor's
-version counter with the one at the call, and a tensor changed in place meanwhile (not by the step) makes that save
-fail ("changed") instead of writing a copy that may hold half the change. The write begins after that check.
+"""Asynchronous checkpoints (``fabric.save(..., asynchronous=True)``) in two stages, as DCP's ``async_save`` and
+torchtitan's checkpointer do, each in one visible place of ``Checkpointer``:
 
-One save at a time: the next save, and ``load_latest``, first wait for the previous write to finish, and if it
-failed, every rank raises its ``CheckpointError`` there. A save makes one collective (``settle``): rank 0's outcome
-of the previous write, rank 0's verdict on the new target and every rank's random streams travel together, since
-each collective waits for the slowest rank. The write is the atomic write of a synchronous save, so a
-crash or SIGKILL during it leaves the previous checkpoint the newest complete one. A write still running when
-the script ends is finished first, and a failure said on stderr. The CPU copy is kept and copied into again
-at the next save: it costs one copy of the state in memory for the rest of the run.
+1. **Stage**, at the call, on the loop's thread (``Checkpointer.stage``): every tensor of the checkpoint is copied
+   into host buffers kept from the previous save, every other value is deep-copied. Tensors that share memory (tied
+   weights) share it in the copy, so they are written once and load tied. Under FSDP each sharded tensor is gathered
+   and copied to the host one at a time (full checkpoints) or its local shard copied (sharded checkpoints). Once the
+   call returns, nothing the loop does can change the checkpoint: no rule to follow, no change to detect.
+2. **Write**, on the checkpointer's thread (``Checkpointer.start``): the staged checkpoint is written with the atomic
+   write of a synchronous save, by rank 0 (one file) or by every rank (a sharded folder, whose collectives run on a
+   process group of the checkpointer's own, so they never meet the loop's), then ``keep_last`` runs. It gives a
+   future.
+
+That future is waited for in one place, ``Checkpointer.settle``, at the next save and at ``load_latest``: one
+collective then carries every rank's outcome, so a write that failed on any rank raises its ``CheckpointError``
+(its cause chained) on every rank. The end of the process waits for a write still running and says if it failed.
+
+One set of host buffers serves every save, whatever its name: each place in the state (``("model", "0.weight")``)
+keeps its buffer, reused while its size fits, so host memory holds one copy of the state (pinned off a GPU).
 """
 
 from __future__ import annotations
 
-import atexit
 import copy
 import os
-import queue
-import re
 import sys
 import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from fabriclite.processes import signals
 from fabriclite._collections import map_with_path
 from fabriclite.checkpoint.errors import CheckpointError, first_line, save_failure
 
-
-class _Write:
-    def __init__(self) -> None:
-        self.done: threading.Event | None = None  # rank 0's: set when the write has ended
-        self.error: CheckpointError | None = None
-        self.path: Path | None = None
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose memory is staged as it is; others are copied whole
 
 
-_pending: _Write | None = None  # set on every rank; only rank 0's writes (has `done`)
+class Checkpointer:
+    """The checkpoints of one Fabric: the run's series (``series``: which run, which save of it), and asynchronous
+    saves (``start`` stages a checkpoint and writes it in the background, ``settle`` waits for that write, on every
+    rank, before the next save or ``load_latest``).
 
-
-def check_strategy(strategy: Any) -> None:
-    """``ValueError`` unless ``strategy`` saves one file, which an asynchronous save writes."""
-    if getattr(strategy, "state_dict_type", "full") == "sharded":
-        raise ValueError(
-            "fabric.save(..., asynchronous=True) writes one file, and this strategy saves a sharded folder "
-            "(state_dict_type='sharded'). Use asynchronous=False, or state_dict_type='full'."
-        )
-
-
-def start(strategy: Any, path: Any, state: Any, checkpoint: dict[str, Any], save_file: Any, after: Any = None) -> None:
-    """Snapshot ``checkpoint`` (made from ``state``) as it is now (``_snapshot``; a collective for sharded tensors),
-    then on rank 0, in a background thread, copy what the snapshot left to copy (the parameters and state of the
-    optimizers in ``state`` whose step calls ``check_copy``), write it with ``save_file(checkpoint, path,
-    checkpoint_io)`` and call ``after()``. Every rank calls it, after a ``settle`` that checked the target
-    (``save_file`` checks it again before it writes)."""
-    global _pending, _copying
-    check_strategy(strategy)
-    path = Path(path)
-    io = strategy.checkpoint_io
-    keep = strategy.is_global_zero
-    snapshot, copying = _snapshot(checkpoint, str(path), keep, _stepped(state))
-    write = _Write()
-    write.path = path
-    _pending = write
-    if not keep:
-        return
-
-    def run() -> None:
-        try:
-            copying.run()
-            copying.checked.wait()  # the loop's thread says whether a source changed while it was copied
-            if copying.changed:
-                raise CheckpointError(path, "changed", _changed_message(path, copying.changed))
-            save_file(snapshot, path, io)
-            if after is not None:
-                after()
-        except BaseException as error:  # reported at the next save, on every rank
-            write.error = (
-                save_failure(path, error)
-                if isinstance(error, Exception)
-                else CheckpointError(
-                    path, "unwritable", f"Saving {str(path)!r} in the background was interrupted ({error!r})."
-                )
-            )
-        finally:
-            write.done.set()
-
-    if copying.watched:
-        _copying = copying  # the loop's thread checks it, in check_copy
-        copying.forwards = _check_at_forward(state)
-    else:
-        copying.checked.set()  # nothing the loop can change is copied later
-    write.done = threading.Event()
-    _writer().put(run)
-    _finish_at_exit()
-
-
-_jobs: queue.SimpleQueue | None = None  # what the writer thread runs, one save after the other
-_jobs_pid: int | None = None
-
-
-def _writer() -> queue.SimpleQueue:
-    # One thread writes every asynchronous save of the process, started at the first: starting a thread per save
-    # held the loop for milliseconds on a loaded machine. A daemon, since the script's end waits for its last
-    # write (_join_at_exit), not for the thread.
-    global _jobs, _jobs_pid
-    if _jobs is None or _jobs_pid != os.getpid():  # a forked child has no such thread
-        _jobs, _jobs_pid = queue.SimpleQueue(), os.getpid()
-        threading.Thread(target=_work, args=(_jobs,), name="fabriclite-async-save", daemon=True).start()
-    return _jobs
-
-
-def _work(jobs: queue.SimpleQueue) -> None:
-    while True:
-        jobs.get()()
-
-
-def _changed_message(path: Path, changed: list[str]) -> str:
-    names = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-    return (
-        f"{str(path)!r} was not saved: {names} changed in place after fabric.save(..., asynchronous=True) and "
-        "before the background copy of it could be checked (at the optimizer's next step), so the copy may not be "
-        "the state at the save. Change parameters and optimizer state only in the optimizer's step until then, or "
-        "save with asynchronous=False. The previous checkpoint is still the newest complete one."
-    )
-
-
-_registered = False
-
-
-def _finish_at_exit() -> None:
-    # When the script ends, Python stops thread pools (the checksums are computed on one) and then daemon threads
-    # like the writer: finish the write first, and say if it failed, since no later save will.
-    global _registered
-    if _registered:
-        return
-    _registered = True
-    register = getattr(threading, "_register_atexit", None)  # runs before thread pools stop; Python >= 3.9
-    (register or atexit.register)(_join_at_exit)
-
-
-def _join_at_exit() -> None:
-    write = _pending
-    if write is None or write.done is None:
-        return
-    check_copy()
-    write.done.wait()
-    if write.error is not None:
-        print(f"fabriclite: the last asynchronous checkpoint was not saved: {write.error}", file=sys.stderr, flush=True)
-
-
-def settle(
-    strategy: Any,
-    path: Any,
-    rank_zero_work: Callable[[], Any] | None = None,
-    mine: Any = None,
-    fail: Callable = save_failure,
-) -> tuple[Any, list[Any]]:
-    """Wait for the previous asynchronous write, run ``rank_zero_work`` on rank 0, and share, in one collective,
-    both outcomes and every rank's ``mine``: return (``rank_zero_work()``'s result, every rank's ``mine`` in rank
-    order). If the write failed, every rank raises its ``CheckpointError``; else if the work failed, every rank
-    raises ``fail(path, error)``. Every rank calls it, before each save and ``load_latest``.
-
-    Usage: ``_, rng_per_rank = settle(strategy, path, lambda: check_replaceable(path), capture_rng_state())``.
+    Usage: ``checkpointer.start(strategy, path, checkpoint, write_file, sharded=False)``, later
+    ``checkpointer.settle(strategy, path)``.
     """
-    global _pending
-    write, _pending = _pending, None
-    outcome: tuple[str, Any] = ("ok", None)
-    if strategy.is_global_zero:
-        if write is not None and write.done is not None:
-            check_copy()
-            write.done.wait()
-        if write is not None and write.error is not None:
-            outcome = ("failed", write.error)
-        elif rank_zero_work is not None:
+
+    def __init__(self) -> None:
+        # The run: named from outside where the scheduler gives it one (a requeued SLURM job keeps its id), else
+        # taken over from the checkpoint load_latest resumes, else new. Its saves count up across restarts.
+        self._named_run = os.environ.get("FABRICLITE_RUN_ID") or signals.slurm_job_id()
+        self.run = self._named_run or uuid.uuid4().hex[:16]
+        self._sequence = 0
+        self._buffers: dict[tuple, torch.Tensor] = {}  # host bytes, by the place in the state that first needed them
+        self._pending: tuple[Path, Future | None] | None = None  # on every rank; the future where this rank writes
+        self._executor: ThreadPoolExecutor | None = None
+        self._group: _Group | None = None  # the sharded writes' own process group, made at the first
+        self._streams: dict[torch.device, Any] = {}  # per GPU, the side stream its copies are queued on
+        self._cpu_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source bytes, host bytes), this stage
+        self._copiers: ThreadPoolExecutor | None = None  # the threads that help the loop's thread copy
+
+    # ------------------------------------------------------------------ the run's series
+    def series(self) -> dict[str, Any]:
+        """What the next checkpoint records of its place in the run (``latest.Series``); every rank calls it at
+        every save, so the numbers agree."""
+        self._sequence += 1
+        return {"run": self.run, "sequence": self._sequence, "saved_at": time.time()}
+
+    def resume(self, path: Path) -> None:
+        """Go on with the run that wrote the checkpoint at ``path``, which ``load_latest`` resumed from, unless the
+        scheduler names this run; later saves are numbered after it."""
+        from fabriclite.checkpoint.latest import series_of
+
+        series = series_of(Path(path))
+        if series is None or series.run is None:
+            return
+        if not self._named_run:
+            self.run = series.run
+        self._sequence = max(self._sequence, series.sequence)
+
+    # ------------------------------------------------------------------ stage
+    def stage(self, checkpoint: dict[str, Any], keep: bool, sharded: bool) -> tuple[Any, Exception | None]:
+        """``checkpoint`` as it is now, in this checkpointer's host buffers (tensors) and deep copies (the rest), and
+        the first error that stopped it (None). Sharded tensors are gathered (a collective: every rank calls it,
+        ``keep`` only where the copy is wanted), or with ``sharded`` staged as their local shard. An error does not
+        stop the collectives, so the ranks stay in step. The staged checkpoint is None where ``keep`` is False."""
+        copies: dict[tuple, torch.Tensor] = {}  # a source's storage (alive meanwhile) -> its host copy, in this call
+        gathered: dict[tuple, torch.Tensor | None] = {}  # a sharded tensor's local shard -> its staged full value
+        failed: list[Exception] = []
+
+        def stage_tensor(key: tuple, tensor: torch.Tensor, shared: dict | None) -> torch.Tensor | None:
+            if failed:
+                return None
+            try:
+                return self._stage_tensor(key, tensor, shared)
+            except Exception as error:  # a pinned allocation that failed, say: on this rank alone
+                failed.append(error)
+                return None
+
+        def tensor_copy(key: tuple, tensor: torch.Tensor) -> torch.Tensor | None:
+            if type(tensor).__name__ != "DTensor":
+                return stage_tensor(key, tensor, copies) if keep or sharded else None
+            local = tensor.to_local()
+            if sharded:
+                from torch.distributed.tensor import DTensor
+
+                shard = stage_tensor(key, local, copies)
+                return DTensor.from_local(
+                    shard, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                    stride=tensor.stride(),
+                ) if shard is not None else None  # fmt: skip
+            shard = shard_key(tensor)  # a tied weight appears twice: gathered once
+            if shard is None or shard not in gathered:
+                full = tensor.full_tensor()  # a collective, in the same order on every rank
+                # Staged at once and let go, so a GPU holds one gathered tensor at a time, never the whole state;
+                # not shared through `copies`, since the next gathered tensor may reuse its freed address.
+                staged = stage_tensor(key, full, None) if keep else None
+                if shard is None:
+                    return staged
+                gathered[shard] = staged
+            return gathered[shard]
+
+        def value_copy(key: tuple, value: Any) -> Any:
+            try:
+                return copy.deepcopy(value)
+            except Exception as error:
+                failed.append(
+                    TypeError(
+                        f"fabric.save(..., asynchronous=True) copies the state as it is at the call, and {_name(key)} "
+                        f"({type(value).__name__}) cannot be copied ({first_line(error)}). Make it copyable "
+                        "(copy.deepcopy), or save with asynchronous=False."
+                    )
+                )
+                failed[-1].__cause__ = error
+                return None
+
+        staged = map_with_path(checkpoint, torch.Tensor, tensor_copy, value_copy)
+        try:
+            self._copy_on_cores()
+            for stream in self._streams.values():
+                stream.synchronize()  # the copies off the GPU have landed: the loop may change the sources now
+        except Exception as error:
+            failed.append(error)
+        return (staged if keep or sharded else None), (failed[0] if failed else None)
+
+    def _stage_tensor(self, key: tuple, tensor: torch.Tensor, copies: dict[tuple, torch.Tensor] | None) -> torch.Tensor:
+        # `copies`: None for a temporary (gathered) tensor, copied at once and shared with nothing.
+        if tensor.is_conj() or tensor.is_neg():
+            tensor, copies = tensor.resolve_conj().resolve_neg(), None
+        if tensor.layout is not torch.strided or type(tensor) not in _PLAIN or tensor.device.type == "meta":
+            return tensor.detach().clone() if tensor.device.type == "meta" else tensor.detach().to("cpu", copy=True)
+        # The whole storage, as torch.save writes it: views of one storage stay views of one copy.
+        storage = tensor.untyped_storage()
+        source = (storage.device, storage.data_ptr(), storage.nbytes())
+        host = copies.get(source) if copies is not None else None
+        if host is None:
+            host = self._buffer(key, storage.nbytes(), pin=storage.device.type == "cuda")
+            self._copy(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), host, copies is None)
+            if copies is not None:
+                copies[source] = host
+        staged = torch.empty(0, dtype=tensor.dtype).set_(
+            host.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
+        if isinstance(tensor, torch.nn.Parameter):
+            return torch.nn.Parameter(staged, requires_grad=tensor.requires_grad)
+        return staged.requires_grad_(tensor.requires_grad)
+
+    def _buffer(self, key: tuple, nbytes: int, pin: bool) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() != nbytes or buffer.is_pinned() != pin:
+            buffer = self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return buffer
+
+    def _copy(self, source: torch.Tensor, host: torch.Tensor, at_once: bool) -> None:
+        if at_once:
+            host.copy_(source)
+            return
+        if not source.is_cuda:
+            self._cpu_copies.append((source, host))  # all at once at the end of stage, on every core
+            return
+        stream = self._streams.get(source.device)
+        if stream is None:
+            stream = self._streams[source.device] = torch.cuda.Stream(source.device)
+        stream.wait_stream(torch.cuda.current_stream(source.device))  # after the work queued before the call
+        with torch.cuda.stream(stream):
+            host.copy_(source, non_blocking=True)  # into pinned memory: the host goes on queueing
+
+    def _copy_on_cores(self) -> None:
+        # Copying memory is all a CPU save holds the loop for: in pieces, on as many threads as this process has
+        # cores (a rank of a run with one thread per core: the other ranks mostly wait meanwhile, at the next
+        # collective). torch's copy lets go of the interpreter lock.
+        pieces = [
+            (host[start : start + _PIECE], source[start : start + _PIECE])
+            for source, host in self._cpu_copies
+            for start in range(0, host.numel(), _PIECE)
+        ]
+        self._cpu_copies = []
+        threads = min(len(pieces), _cores())
+        if threads > 1 and self._copiers is None:
+            self._copiers = ThreadPoolExecutor(threads - 1, thread_name_prefix="fabriclite-stage")
+        helpers = [self._copiers.submit(_copy_pieces, pieces[k::threads]) for k in range(1, threads)]
+        _copy_pieces(pieces[::threads] if threads > 1 else pieces)
+        for helper in helpers:
+            helper.result()
+
+    # ------------------------------------------------------------------ write
+    def start(
+        self,
+        strategy: Any,
+        path: Path,
+        checkpoint: dict[str, Any],
+        write_file: Callable[[Any, Path, Any], None],
+        sharded: bool,
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        """Stage ``checkpoint`` now, then write it in the background: with ``write_file(staged, path,
+        checkpoint_io)`` on rank 0, or with ``sharded``, as a sharded folder by every rank; then ``after()`` on
+        rank 0. Every rank calls it, after ``settle``."""
+        if sharded:
+            group = self._own_group(strategy)  # a collective: before anything is staged
+            staged, error = self.stage(checkpoint, keep=True, sharded=True)
+            last = after if strategy.is_global_zero else None
+            # Every rank's write begins by agreeing on how staging went: one rank's error fails it on all.
+            future = self._submit(_write_sharded, staged, path, group, last, error)
+        else:
+            staged, error = self.stage(checkpoint, keep=strategy.is_global_zero, sharded=False)
+            if error is not None and strategy.world_size == 1:
+                raise error
+            io = strategy.checkpoint_io
+            if error is not None:  # on this rank alone, maybe: the next save or load_latest raises it on every rank
+                future = Future()
+                future.set_exception(_failure(path, error, None))  # nothing was written
+            elif strategy.is_global_zero:
+                future = self._submit(_write_file, staged, path, io, write_file, after)
+            else:
+                future = None
+        self._pending = (path, future)
+
+    def _submit(self, write: Callable, *args: Any) -> Future:
+        if self._executor is None:
+            # Not a daemon thread: the process's end waits for the write (a daemon thread inside torch's C++ code
+            # when the interpreter shuts down can abort the process: "terminate called without an active exception").
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="fabriclite-checkpoint")
+        future = self._executor.submit(write, *args)
+        _finish_at_exit(future)
+        return future
+
+    def _own_group(self, strategy: Any) -> _Group:
+        if self._group is None:
+            import torch.distributed as dist
+
+            group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            self._group = _Group(group, strategy.global_rank, strategy.world_size)
+        return self._group
+
+    # ------------------------------------------------------------------ wait
+    def settle(
+        self,
+        strategy: Any,
+        path: Any,
+        rank_zero_work: Callable[[], Any] | None = None,
+        mine: Any = None,
+        fail: Callable = save_failure,
+        doing: str = "",
+    ) -> tuple[Any, list[Any]]:
+        """Wait for the previous write, run ``rank_zero_work`` on rank 0, and share, in one collective, every rank's
+        outcome of that write, the work's outcome and every rank's ``mine``: return (``rank_zero_work()``'s result,
+        every rank's ``mine`` in rank order). If the write failed on any rank, every rank raises its
+        ``CheckpointError``, saying that ``doing`` (what called, e.g. "the save of 'step-2.ckpt'") did not happen;
+        else if the work failed, every rank raises ``fail(path, error)``. Every rank calls it.
+
+        Usage: ``_, rng_per_rank = checkpointer.settle(strategy, path, lambda: check_replaceable(path), rng)``.
+        """
+        failure = self._finish()
+        outcome: tuple[str, Any] = ("ok", None)
+        if strategy.is_global_zero and rank_zero_work is not None and failure is None:
             try:
                 outcome = ("ok", rank_zero_work())
             except Exception as error:
-                failure = fail(Path(path), error)
-                if failure is not error:
-                    failure.__cause__ = error
-                outcome = ("failed", failure)
-    gathered = strategy.all_gather_object((outcome, mine))
-    status, value = gathered[0][0]
-    if status == "failed":
-        raise value
-    return value, [theirs for _, theirs in gathered]
+                problem = fail(Path(path), error)
+                if problem is not error:
+                    problem.__cause__ = error
+                outcome = ("failed", problem)
+        gathered = strategy.all_gather_object((failure, outcome, mine))
+        failed = next((theirs for theirs, _, _ in gathered if theirs is not None), None)
+        if failed is not None:
+            raise _not_done(failure or failed, doing)  # this rank's own error, where it has one: its cause is here
+        status, value = gathered[0][1]
+        if status == "failed":
+            raise outcome[1] if strategy.is_global_zero else value
+        return value, [theirs for _, _, theirs in gathered]
 
-
-def wait(strategy: Any) -> None:
-    """Wait for the previous asynchronous save to finish; if it failed, raise its error on every rank. Every rank
-    calls it; without an asynchronous save since the last call, it does nothing."""
-    if _pending is not None:  # set on every rank at the same saves: the collective lines up
-        settle(strategy, _pending.path)
-
-
-def check_copy(block: bool = True) -> None:
-    """Call on the training loop's thread before anything may change what the last asynchronous save copies in the
-    background (the wrapped optimizer's step and ``load_state_dict``, loading a checkpoint, the next save): wait for
-    that copy to end, then check that nothing it copied changed in place since the save call (the tensors' version
-    counters), which lets the writer go on or makes the save fail. ``block=False`` only checks a copy that has
-    ended. Without a copy under way it does nothing. Usage: ``background.check_copy()`` first thing in ``step``."""
-    global _copying
-    copying = _copying
-    if copying is None or not (block or copying.copied.is_set()):
-        return
-    copying.copied.wait()
-    copying.changed = [name for name, tensor, version in copying.watched if tensor._version != version]
-    _copying = None
-    copying.checked.set()
-    for module, forward, checking in copying.forwards:
-        if vars(module).get("_fabric_forward") is checking:  # else something has replaced it since
-            module._fabric_forward = forward
-
-
-def _check_at_forward(state: Any) -> list[tuple[Any, Callable, Callable]]:
-    # A loop may not step again soon (a last save, then a long evaluation): until the copy is checked, the forward of
-    # each model in `state` from fabric.setup checks it if it has ended, so the write begins then. Its
-    # `_fabric_forward` is put back at the check: no cost to forward at any other time.
-    forwards = []
-    for module in state.values():
-        forward = vars(module).get("_fabric_forward") if isinstance(module, torch.nn.Module) else None
-        if forward is None:
-            continue
-
-        def checking(*args: Any, _forward: Callable = forward, **kwargs: Any) -> Any:
-            check_copy(block=False)
-            return _forward(*args, **kwargs)
-
-        module._fabric_forward = checking
-        forwards.append((module, forward, checking))
-    return forwards
-
-
-class _Copy:
-    """What rank 0's writer thread copies before it writes: ``pairs`` of (source, CPU buffer), and ``watched``, the
-    (name, source, version at the save call) that the loop's thread checks in ``check_copy`` once ``copied`` is set,
-    setting ``changed`` and then ``checked``."""
-
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], watched: list[tuple[str, torch.Tensor, int]]):
-        self.pairs = pairs
-        self.watched = watched
-        self.copied = threading.Event()
-        self.checked = threading.Event()
-        self.changed: list[str] = []
-        self.forwards: list[tuple[Any, Callable, Callable]] = []  # see _check_at_forward
-        # A GPU copy starts after the work queued before the save call: it waits for this event on its own stream.
-        cuda = [source.device for source, _ in pairs if source.is_cuda]
-        self.device = cuda[0] if cuda else None
-        self.ready = torch.cuda.current_stream(self.device).record_event() if cuda else None
-
-    def run(self) -> None:
-        try:
-            if self.ready is None:
-                for source, buffer in self.pairs:
-                    buffer.copy_(source)  # large tensors copy on torch's intra-op threads
-                return
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_event(self.ready)
-            with torch.cuda.stream(stream):
-                for source, buffer in self.pairs:
-                    buffer.copy_(source, non_blocking=True)  # into pinned memory: asynchronous
-            stream.synchronize()
-        finally:
-            self.copied.set()
-
-
-_copying: _Copy | None = None  # rank 0's copy under way, until the loop's thread has checked it
-
-
-def _snapshot(checkpoint: dict[str, Any], path: str, keep: bool, stepped: frozenset[int]) -> tuple[Any, _Copy]:
-    # Everything but tensors is copied now: containers, and each other value that is not a number or a string (a
-    # deep copy: arrays, sets, user objects, with any tensor inside them). Tensors go three ways: a sharded one is
-    # gathered now (a collective, so on every rank, in the same order) into a new tensor nobody else holds, copied
-    # later; one that only a wrapped optimizer's step changes (`stepped`) is copied later on the writer's thread,
-    # and watched; any other (buffers, which forward changes; the user's own tensors) is copied now.
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    watched: list[tuple[str, torch.Tensor, int]] = []
-
-    def tensor_copy(key: tuple, tensor: torch.Tensor) -> torch.Tensor | None:
-        gathered = type(tensor).__name__ == "DTensor"
-        if gathered:
-            tensor = tensor.full_tensor()  # a collective
-        if not keep:
+    def _finish(self) -> CheckpointError | None:
+        # This rank's outcome of the previous write (waiting for it), and the checkpointer ready for the next.
+        pending, self._pending = self._pending, None
+        if pending is None or pending[1] is None:
             return None
-        buffer = _buffer((path, key), tensor)
-        if gathered:
-            pairs.append((tensor, buffer))
-        elif _start(tensor) in stepped:
-            pairs.append((tensor.detach(), buffer))
-            watched.append((_name(key), tensor, tensor._version))
-        else:
-            buffer.copy_(tensor.detach())
-        return buffer
+        error = pending[1].exception()
+        if error is None or isinstance(error, CheckpointError):
+            return error
+        problem = save_failure(pending[0], error)  # not raised by our writers, but never lose a failure
+        problem.__cause__ = error
+        return problem
 
-    def value_copy(key: tuple, value: Any) -> Any:
+
+_PIECE = 8 * 2**20  # bytes per piece of a parallel copy
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _copy_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for host, source in pieces:
+        host.copy_(source)
+
+
+def shard_key(tensor: Any) -> tuple | None:
+    """What names a sharded tensor (a DTensor) while it is alive: its local shard's place in memory, shape and
+    placements. Two entries of a state with the same key are one tensor (a tied weight), to be gathered once; None
+    for a shard without memory of its own (an empty optimizer state on a rank that holds none of the tensor, where
+    every such shard has the same address), never one with another. Every rank must decide alike, since each key
+    gathered is a collective: a tied parameter's memory is never empty on any rank (FSDP pads every rank's shard to
+    the same size)."""
+    local = tensor.to_local()
+    storage = local.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return storage.data_ptr(), local.storage_offset(), tuple(local.shape), tuple(tensor.placements)
+
+
+def _not_done(error: CheckpointError, doing: str) -> CheckpointError:
+    if not doing:
+        return error
+    # Said at the next call, which itself did not happen: say both, so nobody takes that call for done.
+    message = f"{error} Because of it, {doing} did not happen either: call it again."
+    try:
+        raised = type(error)(error.path, error.reason, message)
+    except TypeError:
+        return error
+    raised.__cause__ = error
+    return raised
+
+
+def _write_file(staged: Any, path: Path, io: Any, write_file: Callable, after: Callable[[], None] | None) -> None:
+    with signals.saving():  # a second preemption notice waits for this write
         try:
-            return copy.deepcopy(value)
-        except Exception as error:
-            raise TypeError(
-                f"fabric.save(..., asynchronous=True) copies the state as it is at the call, and {_name(key)} "
-                f"({type(value).__name__}) cannot be copied ({first_line(error)}). Make it "
-                "copyable (copy.deepcopy), or save with asynchronous=False."
-            ) from error
+            write_file(staged, path, io)
+        except BaseException as error:
+            raise _failure(path, error, io) from error
+        if after is not None:
+            after()
 
-    return map_with_path(checkpoint, torch.Tensor, tensor_copy, value_copy), _Copy(pairs, watched)
+
+def _write_sharded(
+    staged: Any, path: Path, group: _Group, after: Callable[[], None] | None, error: Exception | None
+) -> None:
+    from fabriclite.checkpoint.sharded import save_sharded
+
+    with signals.saving():
+        failures = group.all_gather_object(None if error is None else first_line(error))
+        if any(failures):
+            if error is not None:
+                raise _failure(path, error, None) from error
+            rank = next(rank for rank, failure in enumerate(failures) if failure)
+            raise CheckpointError(
+                path, "unwritable", f"Could not save {str(path)!r}: on rank {rank}, {failures[rank]}."
+            )
+        try:
+            save_sharded(staged, path, group)
+        except BaseException as error:
+            raise _failure(path, error, None) from error
+        if after is not None:
+            after()
+
+
+def _failure(path: Path, error: BaseException, io: Any) -> CheckpointError:
+    from fabriclite.checkpoint.files import writes_atomically
+
+    if isinstance(error, CheckpointError):
+        return error
+    if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit on this thread: rare, but say so
+        return CheckpointError(
+            path, "unwritable", f"Saving {str(path)!r} in the background was interrupted ({error!r})."
+        )
+    return save_failure(path, error, plugin=io is not None and not writes_atomically(io))
+
+
+class _Group:
+    """The collectives ``save_sharded`` makes (as a strategy's), on a process group of their own, so that a write on
+    the checkpointer's thread never mixes its collectives with the loop's. Usage: ``save_sharded(c, path, group)``."""
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        self.group = group
+        self.global_rank = rank
+        self.world_size = world_size
+        self.is_global_zero = rank == 0
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def barrier(self, name: str | None = None) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
 
 
 def _name(key: tuple) -> str:
     return "state" + "".join(f"[{part!r}]" for part in key)
 
 
-def _stepped(state: Any) -> frozenset[int]:
-    # Where the tensors start (data_ptr) that only the step of an optimizer in `state` changes, for the optimizers
-    # whose step and load_state_dict call check_copy (those from fabric.setup): their parameters and their state.
-    # A checkpoint's tensor found here is one of them or a view of one, which shares its version counter.
-    tensors = []
-    for optimizer in (value for value in state.values() if getattr(type(value), "checks_async_copy", False)):
-        tensors += [parameter for group in optimizer.param_groups for parameter in group["params"]]
-        tensors += [value for per_parameter in optimizer.state.values() for value in per_parameter.values()]
-    return frozenset(_start(tensor) for tensor in tensors if isinstance(tensor, torch.Tensor)) - {None}
+_writing: set[Future] = set()  # every write under way in this process, whoever still holds its Fabric
+_registered = False
 
 
-def _start(tensor: torch.Tensor) -> int | None:
-    # None for what has no version counter to watch or no memory of its own: inference tensors, sparse, subclasses.
-    if tensor.layout is not torch.strided or tensor.is_inference() or type(tensor) not in _PLAIN:
-        return None
-    return tensor.data_ptr() or None  # 0: empty
+def _finish_at_exit(future: Future) -> None:
+    # The end of the process waits for every write under way (even one whose Fabric is gone) before Python stops
+    # thread pools (the checksums are computed on one), and says if it failed, since no later save will: registered
+    # after concurrent.futures' own exit hook, so it runs first.
+    global _registered
+    _writing.add(future)
+    future.add_done_callback(_writing.discard)
+    if not _registered:
+        _registered = True
+        threading._register_atexit(_wait_at_exit)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-# The CPU copies of the last snapshot, by checkpoint name pattern and place in the state: the next save copies into
-# them (its previous write has ended by then), which costs a third of copying into fresh memory (no page faults).
-# For a GPU's tensors they are pinned, so the copy off the GPU is asynchronous.
-_buffers: dict[tuple, torch.Tensor] = {}
-
-
-def _buffer(key: tuple, tensor: torch.Tensor) -> torch.Tensor:
-    key = (re.sub(r"\d+", "#", key[0]), key[1])
-    buffer = _buffers.get(key)
-    if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-        pin = tensor.is_cuda
-        buffer = _buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-    return buffer
+def _wait_at_exit() -> None:
+    for future in list(_writing):
+        error = future.exception()
+        if error is not None:
+            print(f"fabriclite: the last asynchronous checkpoint was not saved: {error}", file=sys.stderr, flush=True)

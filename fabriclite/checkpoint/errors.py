@@ -25,7 +25,6 @@ REASONS = (
     "unreadable",
     "occupied",
     "mismatch",
-    "changed",
 )
 
 
@@ -88,12 +87,18 @@ def _rebuild(like: type[Exception], path: str, reason: str, message: str) -> Che
     return error_like(like)(path, reason, message)
 
 
-def save_failure(path: Path, error: BaseException) -> CheckpointError:
+def save_failure(path: Path, error: BaseException, plugin: bool = False) -> CheckpointError:
     """The ``CheckpointError`` for a save of ``path`` that failed with ``error``: a full disk, a refused permission,
-    or anything else, always saying that the previous checkpoint at ``path`` (if any) is untouched."""
+    or anything else, saying that the previous checkpoint at ``path`` (if any) is untouched, or with ``plugin`` (a
+    ``CheckpointIO`` plugin wrote it, which fabriclite cannot vouch for) that the plugin decides what is left."""
     if isinstance(error, CheckpointError):
         return error
-    kept = "The previous checkpoint there, if any, is intact and no partial file was left behind."
+    kept = (
+        "A CheckpointIO plugin wrote it: whether it left a partial file or changed a previous checkpoint there is "
+        "up to the plugin."
+        if plugin
+        else "The previous checkpoint there, if any, is intact and no partial file was left behind."
+    )
     if _disk_full(path, error):
         free = _free_bytes(path)
         where = f" ({free / 2**20:.1f} MiB free on its file system)" if free is not None else ""
@@ -130,7 +135,7 @@ def agreed(strategy: Any, rank_zero_work: Callable[[], Any], path: Path, fail: C
             outcome = ("failed", failure)
     status, value = strategy.broadcast(outcome)
     if status == "failed":
-        raise value
+        raise outcome[1] if strategy.is_global_zero else value  # rank 0's own object keeps its cause
     return value
 
 

@@ -36,6 +36,10 @@ _HOST = socket.gethostname().replace(os.sep, "_") or "localhost"
 _PARTIAL = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+(\.old)?")
 
 
+# Where fabric.save keeps what it adds to the user's state: random streams, the loss scaler, the run's series.
+META_KEY = "__fabriclite__"
+
+
 def partial_path(target: Path) -> Path:
     """A fresh name beside ``target`` for a file or folder being written (``remove_stale_partials`` knows it)."""
     return target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}-{os.urandom(4).hex()}")
@@ -409,6 +413,12 @@ class TorchCheckpointIO(CheckpointIO):
                 f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not the dict fabric.save writes.",
             )
         return checkpoint
+
+
+def writes_atomically(checkpoint_io: CheckpointIO) -> bool:
+    """Whether ``checkpoint_io`` writes with ``TorchCheckpointIO``'s own atomic write (not a plugin's, which may
+    leave a partial file or change the previous checkpoint when it fails)."""
+    return type(checkpoint_io).save_checkpoint is TorchCheckpointIO.save_checkpoint
 
 
 _RENAME_EXCHANGE = 2

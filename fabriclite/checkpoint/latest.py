@@ -1,12 +1,17 @@
 """A folder of checkpoints as a run's history: ``newest_complete`` finds the checkpoint a restarted run resumes
 from, ``keep_last`` removes the older ones a run no longer needs.
 
+Every checkpoint ``fabric.save`` writes says which run wrote it and where it falls in that run's history
+(``series``, in fabriclite's entry of the checkpoint: the run's id, a sequence number that goes up by one at every
+save of the run, across restarts, and the time of the save); this, not the file's modification time, says which
+is newest. A requeue onto a host whose clock differs, or a copied folder, leaves the order as it was. What is not
+a checkpoint ``fabric.save`` wrote (a ``torch.save`` of something else, a logger's file) is never a candidate and
+never removed; ``keep_last`` removes only the run's own checkpoints, never another run's in a shared folder.
+
 "Complete" means written to the end and verified: the checksums of a file (``verify_file``) or of every file a
 folder's manifest lists match. A save killed mid-write leaves only a hidden partial beside its target (see
 ``files.atomic_write``), which is never a candidate; a file cut short or damaged afterwards fails verification and
-is skipped with a warning. "Newest" is the latest modification time (an atomic save sets it when the checkpoint
-appears), then the larger number in the name. Nothing that is not a checkpoint fabriclite writes (``is_checkpoint``)
-is ever read as one or removed.
+is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Iterable, NamedTuple
 
 from fabriclite.checkpoint.errors import CheckpointError, read_failure
-from fabriclite.checkpoint.files import describe, is_checkpoint, remove
+from fabriclite.checkpoint.files import META_KEY, describe, is_checkpoint, remove
 from fabriclite.checkpoint.integrity import MANIFEST_FILE, read_manifest, verify_file, verify_folder
 
 # Checkpoints verified by this process, by (path, modification time, size): keep_last does not read them again.
@@ -42,9 +48,61 @@ def check_keep_last(keep_last: int | None) -> None:
         )
 
 
-def candidates(folder: Path, like: Path | None = None) -> list[Path]:
-    """The checkpoints in ``folder``, newest first; with ``like``, only those named as it is but for its numbers
-    (``step-0030.ckpt`` is like ``step-0020.ckpt``, not like ``best.ckpt``). Hidden entries (partial saves) are left
+class Series(NamedTuple):
+    """What a checkpoint says of its place in a run's history (see the module's docstring), and its top-level keys."""
+
+    run: str | None  # None: saved by a fabriclite from before runs were recorded
+    sequence: int
+    saved_at: float
+    keys: frozenset
+
+
+# Checkpoints read by this process, by (path, modification time, size): what they say of themselves.
+_series: dict[tuple[str, int, int], Series | None] = {}
+
+
+def series_of(path: Path, weights_only: bool = True) -> Series | None:
+    """What the checkpoint at ``path`` says of itself, or None for what ``fabric.save`` did not write (or cannot be
+    read: a damaged file). Reads the checkpoint's structure, not its tensors (mapped, not read)."""
+    try:
+        key = _stat_key(path)
+    except OSError:
+        return None
+    if key not in _series:
+        _series[key] = _read_series(path, weights_only)
+    return _series[key]
+
+
+def _read_series(path: Path, weights_only: bool) -> Series | None:
+    import torch
+
+    from fabriclite.checkpoint.sharded import STRUCTURE_FILE
+
+    try:
+        target = path / STRUCTURE_FILE if path.is_dir() else path
+        checkpoint = torch.load(target, map_location="cpu", weights_only=weights_only, mmap=True)
+    except Exception:
+        return None
+    meta = checkpoint.get(META_KEY) if isinstance(checkpoint, dict) else None
+    if not isinstance(meta, dict):
+        return None
+    keys = frozenset(key for key in checkpoint if key != META_KEY)
+    series = meta.get("series")
+    if not isinstance(series, dict):
+        return Series(None, -1, float("-inf"), keys)
+    try:
+        return Series(str(series["run"]), int(series["sequence"]), float(series["saved_at"]), keys)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def candidates(
+    folder: Path, like: Path | None = None, run: str | None = None, keys: Iterable[str] = (), weights_only: bool = True
+) -> list[tuple[Path, Series]]:
+    """The checkpoints ``fabric.save`` wrote in ``folder``, newest first: with ``like``, only those named as it is
+    but for its numbers (``step-0030.ckpt`` is like ``step-0020.ckpt``, not like ``best.ckpt``); with ``keys``,
+    only those holding every key; with ``run``, that run's only, if it has any. Newest: the run saved last (by the
+    time recorded in each checkpoint), then the largest sequence number. Hidden entries (partial saves) are left
     out."""
     pattern = _name_pattern(like.name) if like is not None else None
     try:
@@ -53,11 +111,23 @@ def candidates(folder: Path, like: Path | None = None) -> list[Path]:
         return []
     found = []
     for entry in entries:
-        if pattern is not None and not pattern.fullmatch(entry.name):
+        if (pattern is not None and not pattern.fullmatch(entry.name)) or not is_checkpoint(entry):
             continue
-        if is_checkpoint(entry):
-            found.append(entry)
-    return sorted(found, key=_age_key, reverse=True)
+        series = series_of(entry, weights_only)
+        if series is not None:
+            found.append((entry, series))
+    lacking = [(path, sorted(set(keys) - series.keys)) for path, series in found if not set(keys) <= series.keys]
+    for path, missing in lacking:
+        print(f"fabriclite: load_latest passes over {str(path)!r}: it has no {', '.join(map(repr, missing))}, which "
+              "the state asks for.", file=sys.stderr, flush=True)  # fmt: skip
+    found = [(path, series) for path, series in found if set(keys) <= series.keys]
+    if run is not None and any(series.run == run for _, series in found):
+        found = [(path, series) for path, series in found if series.run == run]
+    last_save = {}
+    for _, series in found:
+        last_save[series.run] = max(last_save.get(series.run, float("-inf")), series.saved_at)
+    found.sort(key=lambda item: (last_save[item[1].run], item[1].sequence, _numbers(item[0])), reverse=True)
+    return found
 
 
 def problem(path: Path) -> CheckpointError | None:
@@ -79,10 +149,13 @@ def problem(path: Path) -> CheckpointError | None:
     return None
 
 
-def newest_complete(folder: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in ``folder``, or None (no folder, or no complete checkpoint in it); every
-    newer one that fails verification is named on stderr. Usage: ``path = newest_complete("checkpoints")``."""
-    for path in candidates(check_folder(folder)):
+def newest_complete(
+    folder: str | os.PathLike, run: str | None = None, keys: Iterable[str] = (), weights_only: bool = True
+) -> Path | None:
+    """The newest complete checkpoint in ``folder`` (of the run ``run``, if it has any there; holding every key of
+    ``keys``), or None (no folder, or no such checkpoint in it); every newer one that fails verification is named
+    on stderr. Usage: ``path = newest_complete("checkpoints", keys=state)``."""
+    for path, _ in candidates(check_folder(folder), run=run, keys=keys, weights_only=weights_only):
         error = problem(path)
         if error is None:
             return path
@@ -90,15 +163,22 @@ def newest_complete(folder: str | os.PathLike) -> Path | None:
     return None
 
 
-def keep_last(saved: str | os.PathLike, count: int) -> list[Path]:
-    """Remove the checkpoints beside ``saved`` named like it that are older than its ``count`` newest complete ones
-    (``saved`` itself, just written, counts as the newest); return what was removed. A damaged checkpoint newer than
-    those is kept and does not count; anything that is not a checkpoint is never touched.
+def keep_last(saved: str | os.PathLike, count: int, run: str | None = None) -> list[Path]:
+    """Remove the checkpoints of the run ``run`` (by default, the run that wrote ``saved``) beside ``saved`` named
+    like it that are older than its ``count`` newest complete ones (``saved`` itself, just written, counts as the
+    newest); return what was removed. A damaged checkpoint newer than those is kept and does not count; another
+    run's checkpoints, and anything that is not a checkpoint ``fabric.save`` wrote, are never touched.
 
     Usage: ``keep_last("checkpoints/step-0300.ckpt", 3)``.
     """
     saved = Path(saved)
-    others = [path for path in candidates(saved.parent, like=saved) if path != saved]
+    if run is None:
+        mine = series_of(saved)
+        run = mine.run if mine is not None else None
+    if run is None:  # nothing says which run `saved` belongs to: remove nothing
+        return []
+    siblings = candidates(saved.parent, like=saved, run=run)
+    others = [path for path, series in siblings if path != saved and series.run == run]
     complete = 1  # saved
     removed = []
     for path in others:
@@ -121,11 +201,5 @@ def _stat_key(path: Path) -> tuple[str, int, int]:
     return str(path.resolve()), info.st_mtime_ns, info.st_size
 
 
-def _age_key(path: Path) -> tuple[int, list]:
-    try:
-        target = path / MANIFEST_FILE if path.is_dir() else path
-        mtime = target.stat().st_mtime_ns
-    except OSError:
-        mtime = 0
-    numbers = [int(number) for number in re.findall(r"\d+", path.name)]
-    return mtime, numbers
+def _numbers(path: Path) -> list[int]:
+    return [int(number) for number in re.findall(r"\d+", path.name)]

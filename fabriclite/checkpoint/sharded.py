@@ -72,18 +72,21 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
     tmp = Path(agreed(strategy, start, path))
     try:
         # Every rank writes its own shards; DCP raises on every rank if any failed, and returns once .metadata is.
-        dcp.save(tensors, checkpoint_id=tmp)
+        # On a background thread, `strategy` carries a process group of the writer's own (background._Group).
+        dcp.save(tensors, checkpoint_id=tmp, process_group=getattr(strategy, "group", None))
         mine: Any = digest(tmp, _files_of_rank(tmp, strategy.global_rank, strategy.world_size))
     except BaseException as error:
         if not (isinstance(error, Exception) or is_dcp_failure(error)):
             raise
         mine = save_failure(path, error)
+        if mine is not error:
+            mine.__cause__ = error
     parts = strategy.all_gather_object(mine)
     failed = next((part for part in parts if isinstance(part, CheckpointError)), None)
     if failed is not None:
         if strategy.is_global_zero:
             remove(tmp)
-        raise failed
+        raise mine if isinstance(mine, CheckpointError) else failed  # this rank's own keeps its cause
     digests = {name: entry for part in parts for name, entry in part.items()}
 
     def finish() -> None:

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from fabriclite import collectives, preemption
+from fabriclite import collectives
+from fabriclite.processes import preemption, signals
 from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
-from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher, stop_on_interrupt
+from fabriclite.processes.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from fabriclite.plugins.environments import (
     ClusterEnvironment,
     ProcessEnvironment,
@@ -30,8 +31,8 @@ from fabriclite.plugins.environments import (
 )
 from fabriclite.rank_zero import rank_zero_only
 from fabriclite.strategies.strategy import Strategy
+from fabriclite.processes.watchdog import StallWatchdog, saying_who_has_not_joined
 from fabriclite.utilities.imports import reset_compiler
-from fabriclite.watchdog import StallWatchdog, saying_who_has_not_joined
 
 # How a launch starts the processes: run the script again ("popen" is Lightning's name for it), or multiprocessing.
 _JOIN_TIMEOUT = timedelta(minutes=30)  # the longest a process waits for the others to start and join
@@ -43,7 +44,7 @@ class ParallelStrategy(Strategy):
 
     ``timeout`` bounds how long a collective waits for a rank that died or hangs before raising. ``stall_timeout``
     (seconds; None turns it off) is when a rank waiting in a collective first prints which ranks have not arrived
-    and where each one is (``fabriclite.watchdog``), and when a slow start says which processes have not joined.
+    and where each one is (``fabriclite.processes.watchdog``), and when a slow start says which processes have not joined.
     """
 
     syncs_in_forward = True
@@ -155,8 +156,8 @@ class ParallelStrategy(Strategy):
         if self.environment is not None:  # e.g. SLURM names the main node but sets no MASTER_* variables
             os.environ.setdefault("MASTER_ADDR", self.environment.main_address)
             os.environ.setdefault("MASTER_PORT", str(self.environment.main_port))
-        if self.world_size > 1:  # one process needs no help: its interrupt is Python's KeyboardInterrupt
-            stop_on_interrupt(getattr(self.launcher, "children", []))
+        signals.install(self.global_rank)  # done at Fabric creation; this names the rank in what it says
+        signals.forward_to(getattr(self.launcher, "children", []))
         with saying_who_has_not_joined(self.environment, self.stall_timeout):
             # `timeout` bounds the collectives; joining waits longer, for processes that are slow to start (a loaded
             # machine takes seconds to import torch) rather than failing a run with a short collective timeout.

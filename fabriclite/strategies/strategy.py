@@ -13,7 +13,7 @@ import torch
 from fabriclite import checkpoint
 from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO, TorchCheckpointIO
-from fabriclite.launcher import InProcessLauncher
+from fabriclite.processes.launcher import InProcessLauncher
 from fabriclite.plugins.precision import Precision
 
 

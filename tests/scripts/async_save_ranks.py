@@ -1,7 +1,9 @@
 """Asynchronous saves on 2 processes (DDP, gloo), where only rank 0 writes: a write that fails raises its
 CheckpointError on both ranks at the next save, a user's file at the target is refused on both ranks at once and left
-as it was, and afterwards both ranks save again and agree on the newest complete checkpoint. Prints
-"PASS <rank> <check>" for each check on each rank.
+as it was, staging that fails on rank 0 alone (its host memory refused: mocked, since a real allocation failure
+cannot be made to happen here) leaves both ranks in step and raises on both at the next save, and afterwards both
+ranks save again and agree on the newest complete checkpoint. Prints "PASS <rank> <check>" for each check on each
+rank.
 
 Usage: `python async_save_ranks.py FOLDER`.
 """
@@ -53,9 +55,15 @@ if fabric.is_global_zero:
     (folder / "step-4.ckpt").write_text("a user's notes\n")
 fabric.barrier()
 save_fails(4, "occupied", "Will not save", "occupied target refused on every rank")
-save(5)
+if fabric.is_global_zero:
+    fabric._checkpointer._buffer = lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError("no pinned memory left"))
+save(5)  # returns on both ranks: nothing waits for rank 0 there
+fabric._checkpointer.__dict__.pop("_buffer", None)
+fabric.all_reduce(weight)  # the ranks are still in step
+save_fails(6, "unwritable", "no pinned memory left", "a staging failure on rank 0 alone raises on every rank")
+save(7)
 newest = fabric.load_latest(folder, {"step": 0, "weight": weight})
-assert newest == folder / "step-5.ckpt", newest
+assert newest == folder / "step-7.ckpt", newest
 assert (folder / "step-4.ckpt").read_text() == "a user's notes\n"
-assert sorted(path.name for path in folder.iterdir()) == ["step-1.ckpt", "step-4.ckpt", "step-5.ckpt"]
+assert sorted(path.name for path in folder.iterdir()) == ["step-1.ckpt", "step-4.ckpt", "step-7.ckpt"]
 print(f"PASS {rank} newest agreed after failures", flush=True)

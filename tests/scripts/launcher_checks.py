@@ -8,7 +8,7 @@ import os
 import sys
 
 from check_report import report
-from fabriclite.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
+from fabriclite.processes.launcher import InProcessLauncher, MultiprocessingLauncher, SubprocessLauncher
 from fabriclite.plugins.environments import detect_environment
 
 LAYOUT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

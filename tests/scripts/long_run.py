@@ -4,6 +4,7 @@
 Prints "pid RANK PID" at the start, "step N" (rank 0) after every step, "RANK saved at step N on preemption" when
 preempted (then exits with 75), and writes rank 0's final weights to --out.
 Usage: fabriclite run --accelerator cpu --devices 2 long_run.py FOLDER --out W.pt [--asynchronous] [--sleep S]
+[--slow-io S] (each checkpoint file takes S seconds longer to write; "saving" is printed first)
 """
 
 import argparse
@@ -17,7 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
-from fabriclite.preemption import PREEMPTED_EXIT_CODE
+from fabriclite.checkpoint import TorchCheckpointIO
+from fabriclite.processes.preemption import PREEMPTED_EXIT_CODE
 from noisy_step import noisy_step
 
 parser = argparse.ArgumentParser()
@@ -27,6 +29,7 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--save-every", type=int, default=10)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--asynchronous", action="store_true")
+parser.add_argument("--slow-io", type=float, default=0.0)
 parser.add_argument("--accelerator", default="auto")  # run without `fabriclite run`, which sets them otherwise
 parser.add_argument("--devices", default="auto")
 args = parser.parse_args()
@@ -37,7 +40,16 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 data = TensorDataset(torch.randn(400, 8), torch.randint(0, 4, (400,)))
 loader = DataLoader(data, batch_size=8, shuffle=True)
 
-fabric = Fabric(accelerator=args.accelerator, devices=args.devices)
+
+class SlowIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        print("saving", flush=True)
+        time.sleep(args.slow_io)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+plugins = [SlowIO()] if args.slow_io else []
+fabric = Fabric(accelerator=args.accelerator, devices=args.devices, plugins=plugins)
 fabric.launch()
 print(f"pid {fabric.global_rank} {os.getpid()}", flush=True)
 model, optimizer = fabric.setup(model, optimizer)

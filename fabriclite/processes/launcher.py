@@ -12,9 +12,9 @@ returns what this process's (or rank 0's) call returned.
   returns rank 0's result. Spawned processes get ``function`` and its arguments pickled, and unpickle them once
   their rank is in the environment; forked ones (notebooks) get copies of this process's objects.
 
-Interrupting: SIGINT or SIGTERM to the process the user started reaches every rank (``stop_on_interrupt`` forwards
-it), and a rank blocked in a collective, where Python never gets to run its signal handler, exits with 128 + the
-signal's number once it has stayed blocked ``INTERRUPT_GRACE_S`` seconds, so an interrupted run ends in seconds.
+Signals: SIGINT, SIGTERM or SIGUSR1 to the process the user started reaches every rank (``signals.forward_to``), and
+each rank takes it by ``fabriclite.processes.signals``'s policy: an interrupt ends even a rank blocked in a collective within
+seconds, a preemption notice lets every rank save first.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import threading
 import time
 from typing import Any, Callable
 
+from fabriclite.processes import signals
 from fabriclite.plugins.environments import free_port
-from fabriclite.supervisor import (  # what every way of starting processes shares
+from fabriclite.processes.supervisor import (  # what every way of starting processes shares
     _ENDED,
     LAUNCHER_ENV,
     SIBLING_EXIT_GRACE_S,
@@ -39,12 +40,9 @@ from fabriclite.supervisor import (  # what every way of starting processes shar
     _die_with_parent,
     _exit_code,
     _rank_env,
+    how_it_ended,
     max_restarts,
 )
-
-INTERRUPT_GRACE_S = 10.0
-_INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
-_guarded = False  # stop_on_interrupt runs once per process
 
 
 def do_nothing(fabric: Any) -> None:
@@ -90,88 +88,10 @@ class InProcessLauncher:
 
 
 def stop_on_interrupt(children: list[subprocess.Popen]) -> None:
-    """Make SIGINT and SIGTERM end this rank and ``children`` (the ranks this process started) even while this
-    process is blocked in native code, such as a collective waiting for a hung rank.
-
-    Python runs signal handlers only between bytecodes, so a main thread blocked in a gloo or NCCL call never
-    raises ``KeyboardInterrupt``. The C-level handler still writes the signal's number to the wakeup fd, which a
-    thread here reads: it passes the signal on to ``children``, and if the main thread then stays at the very same
-    instruction for ``INTERRUPT_GRACE_S`` seconds (blocked: the handler could not run), it kills ``children`` and
-    exits with 128 + the signal number. A main thread that does run the handler is left to it, as are signals whose
-    handler is SIG_DFL (the kernel ends the process; ``children`` die with it). Installed once, from the main
-    thread; skipped when someone else (asyncio, an IDE) already owns the wakeup fd.
-
-    Usage: ``stop_on_interrupt(launcher.children)`` in each rank once it runs.
-    """
-    global _guarded
-    if _guarded or threading.current_thread() is not threading.main_thread():
-        return
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    if previous != -1:
-        signal.set_wakeup_fd(previous)
-        os.close(read_fd)
-        os.close(write_fd)
-        return
-    _guarded = True
-    os.register_at_fork(after_in_child=_forget_interrupts)  # DataLoader workers must not write into this pipe
-    main_id = threading.get_ident()
-    threading.Thread(
-        target=_watch_interrupts, args=(read_fd, children, main_id), name="fabriclite-interrupts", daemon=True
-    ).start()
-
-
-def _forget_interrupts() -> None:
-    global _guarded
-    _guarded = False
-    try:
-        signal.set_wakeup_fd(-1)
-    except ValueError:  # forked from a thread other than the main one: the child has no wakeup fd to clear
-        pass
-
-
-def _watch_interrupts(read_fd: int, children: list[subprocess.Popen], main_id: int) -> None:
-    while True:
-        received = os.read(read_fd, 64)
-        if not received:
-            return
-        for signum in dict.fromkeys(received):  # in arrival order, once each
-            if signum not in _INTERRUPTS:
-                continue
-            for child in children:
-                if child.poll() is None:
-                    child.send_signal(signum)
-            blocked_at = _main_position(main_id)
-            deadline = time.monotonic() + INTERRUPT_GRACE_S
-            while blocked_at is not None and time.monotonic() < deadline:
-                time.sleep(0.2)
-                if _main_position(main_id) != blocked_at:
-                    blocked_at = None  # the main thread moved: its signal handler runs, and decides
-            if blocked_at is not None:
-                name = signal.Signals(signum).name
-                print(
-                    f"fabriclite: {name} received, and this process stayed blocked for {INTERRUPT_GRACE_S:g} s in "
-                    f"{blocked_at[2]} (most often a collective waiting for another rank), where Python cannot "
-                    f"stop it; exiting with code {128 + signum}.",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                for child in children:
-                    if child.poll() is None:
-                        child.kill()
-                os._exit(128 + signum)
-
-
-def _main_position(main_id: int) -> tuple[int, int, str] | None:
-    from fabriclite.watchdog import Places, describe, locate, operation_name
-
-    frame = sys._current_frames().get(main_id)
-    if frame is None:
-        return None
-    operation, caller = locate(frame, Places())
-    where = f"{operation_name(operation)}, called at {describe(caller)}" if operation else describe(caller)
-    return id(frame), frame.f_lasti, where
+    """Take signals by fabriclite's policy in this process (``signals.install``) and pass each one on to ``children``
+    (the ranks this process started). Usage: ``stop_on_interrupt(launcher.children)`` in each rank once it runs."""
+    signals.install()
+    signals.forward_to(children)
 
 
 def _script_command() -> list[str]:
@@ -201,6 +121,7 @@ class SubprocessLauncher:
         self.children: list[subprocess.Popen] = []
         self._started = False
         self._killing = False  # set once this process stops the children itself: their deaths are then expected
+        self._failing = False  # set once the main thread handles its own error: it stops the children, then says why
         # The watching thread and an error on the main thread may both see a child die: one of them reports it.
         self._deciding = threading.Lock()
         self._reported: set[int] = set()
@@ -214,6 +135,7 @@ class SubprocessLauncher:
         self._started = True
         if self.processes > 1 and max_restarts():
             # This process only watches: every rank is its child, so the whole group can be started again.
+            signals.uninstall()  # the supervisor has its own policy for the signals it passes on
             sys.exit(Supervisor(_script_command(), self.processes, max_restarts()).run())
         self._start()
         return function(*args, **kwargs)
@@ -235,6 +157,8 @@ class SubprocessLauncher:
         previous_hook = sys.excepthook
 
         def kill_children_then_report(*exc_info: Any) -> None:
+            with self._deciding:
+                self._failing = True
             if not issubclass(exc_info[0], KeyboardInterrupt):  # on Ctrl-C every rank stops at once: no news
                 self._wait_for_a_child_to_fail(SIBLING_EXIT_GRACE_S)
             self.kill_children()
@@ -251,6 +175,8 @@ class SubprocessLauncher:
                         if self._killing:
                             return  # this process is already stopping them (after its own error)
                         self._report(child, code, "stopping the other processes")
+                        if self._failing:
+                            return  # the main thread's error handler stops the others and shows its own error
                     self.kill_children()
                     os._exit(_exit_code(code))
             if all(child.poll() in _ENDED for child in self.children):
@@ -271,7 +197,7 @@ class SubprocessLauncher:
         with self._deciding:
             if not self._killing:
                 for child in self.children:  # name those that failed on their own, before this process stops the rest
-                    code = child.poll()
+                    code = _returncode(child)
                     if code not in (None, *_ENDED):
                         self._report(child, code, "stopping the other processes")
             self._killing = True
@@ -288,12 +214,7 @@ class SubprocessLauncher:
         if self._killing or child.pid in self._reported:
             return
         self._reported.add(child.pid)
-        if code < 0:
-            known = -code in {member.value for member in signal.Signals}
-            how = f"was killed by {signal.Signals(-code).name if known else f'signal {-code}'}"
-        else:
-            how = f"exited with code {code}"
-        print(f"fabriclite: process {self.children.index(child) + 1} {how}; {action}.", file=sys.stderr, flush=True)
+        _tell(f"fabriclite: process {self.children.index(child) + 1} {how_it_ended(code)}; {action}.")
 
     def _wait_for_children(self) -> None:
         for child in self.children:
@@ -301,6 +222,22 @@ class SubprocessLauncher:
             if code not in _ENDED and not self._killing:  # those this process stopped itself: its own error is the news
                 self._report(child, code, "this run failed")
                 os._exit(_exit_code(code))
+
+
+def _returncode(child: subprocess.Popen) -> int | None:
+    # Popen.poll() answers None, as if the child ran, while another thread is inside waitpid() for it (the watching
+    # thread polls too); wait() retries for its timeout instead.
+    try:
+        return child.wait(timeout=0.05)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _tell(line: str) -> None:
+    # Straight to file descriptor 2, not through sys.stderr: torch's excepthook (installed with the process group)
+    # swaps sys.stderr for a buffer while the earlier hooks run, and a line written there by the watching thread was
+    # lost when it then ended the process with os._exit.
+    os.write(2, f"{line}\n".encode())
 
 
 def _process_entry(local_rank: int, processes: int, port: int, start_method: str, payload: Any, results: Any) -> None:
@@ -348,13 +285,14 @@ class MultiprocessingLauncher:
             join=False,
             start_method=self.start_method,
         )
+        signals.forward_to(processes.processes)  # a notice reaches every rank, which saves by its own policy
         try:
             while not processes.join(timeout=0.5):  # raises as soon as any process fails
                 pass
         except KeyboardInterrupt:
             # The processes would go on training after this one stopped waiting (they are not daemons): pass the
             # interrupt on, and kill those still running once a blocked rank had time to give up.
-            _interrupt(processes.processes, signal.SIGINT, INTERRUPT_GRACE_S + 5)
+            _interrupt(processes.processes, signal.SIGINT, signals.INTERRUPT_GRACE_S + 5)
             raise
         return results.get()  # join raised if any process failed, so rank 0 has put its result
 

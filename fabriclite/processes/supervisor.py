@@ -10,8 +10,11 @@ node restarts the ranks of every node together.
   The script resumes itself: ``fabric.load_latest(folder, state)`` at its top. ``FABRICLITE_RESTART_COUNT`` tells
   it which attempt it is.
 - SIGTERM and SIGUSR1 (a preemption notice) are passed to every rank and end the restarts; once the ranks have
-  saved and exited, this exits with ``PREEMPTED_EXIT_CODE`` or requeues the SLURM job (see ``preemption``). A
-  second signal, or ``deadline`` seconds without the ranks ending, kills them. SIGINT is passed on likewise.
+  saved and exited, this exits with ``PREEMPTED_EXIT_CODE`` or requeues the SLURM job (see ``preemption``). A rank
+  that the notice itself ended (it came before the rank's Fabric took notices) had nothing to save: the same. The
+  same notice again within ``SAME_NOTICE_S`` counts once; a second one is passed on (the ranks exit 75 once their
+  saves under way end, see ``signals``); a third, or ``deadline`` seconds without the ranks ending, kills them.
+  SIGINT is passed on likewise; a second SIGINT kills.
 
 Usage: ``Supervisor([sys.executable, "train.py"], processes=2, max_restarts=1).run()`` returns the exit code.
 """
@@ -26,15 +29,15 @@ import sys
 import time
 from typing import Any
 
-from fabriclite.nodes import NodeGroup, NodeGroupError, pick_failure
+from fabriclite.processes.nodes import NodeGroup, NodeGroupError, pick_failure
 from fabriclite.plugins.environments import free_port
-from fabriclite.preemption import PREEMPTED_EXIT_CODE, SIGNALS, requeue
+from fabriclite.processes.signals import GRACE_S, NOTICES as SIGNALS, PREEMPTED_EXIT_CODE, SAME_NOTICE_S, requeue
 
 LAUNCHER_ENV = "FABRICLITE_LAUNCHER"  # who started a rank: our launchers set it, and ranks read it
 SIBLING_EXIT_GRACE_S = 1.0  # after a rank's error, how long to wait for a dying sibling to show its exit
 RESTART_ENV = "FABRICLITE_RESTART_COUNT"
 MAX_RESTARTS_ENV = "FABRICLITE_MAX_RESTARTS"  # for fabric.launch(), which has no command line
-DEFAULT_DEADLINE_S = 300.0  # after a preemption notice, how long the ranks may take to save and exit
+DEFAULT_DEADLINE_S = GRACE_S  # after a preemption notice, how long the ranks may take to save and exit
 _FORWARDED = (signal.SIGINT, *SIGNALS)
 _ENDED = (0, PREEMPTED_EXIT_CODE)  # how a rank ends well: a rank that saved after a preemption notice exits 75
 
@@ -120,7 +123,8 @@ class Supervisor:
         self.node_rank = nodes.node_rank if nodes else 0
         self.num_nodes = nodes.num_nodes if nodes else 1
         self.ranks: list[subprocess.Popen] = []
-        self.signals: list[int] = []  # received, in order
+        self.signals: list[int] = []  # received, in order; one within SAME_NOTICE_S of the first is the same one
+        self._first_signal_at = 0.0
         self.notice = 0  # the preemption notice this run got, here or on another node
 
     def run(self) -> int:
@@ -175,25 +179,29 @@ class Supervisor:
         handled = 0
         stop_by = None
         while True:
-            # Before the signals: a rank that a second signal killed is then always seen after that signal.
+            # Before the signals: a rank that a last signal killed is then always seen after that signal.
             codes = [rank.poll() for rank in self.ranks]
             if len(self.signals) > handled:
-                if len(self.signals) > 1:  # a second signal (both may come before this loop looks): the hard way
-                    name = signal.Signals(self.signals[-1]).name
-                    say(f"{name} received again; killing every rank.")
+                name = signal.Signals(self.signals[-1]).name
+                # The third notice, or a second interrupt (both may come before this loop looks): the hard way.
+                if len(self.signals) > 2 or (len(self.signals) > 1 and signal.SIGINT in self.signals):
+                    say(f"{name} received {'again' if len(self.signals) == 2 else 'a third time'}; killing every rank.")
                     self._stop()
-                    return 128 + self.signals[-1], f"received {name} twice"
-                handled = 1
+                    return 128 + self.signals[-1], f"received {name} {len(self.signals)} times"
+                if len(self.signals) == 2 and handled < 2:  # the ranks take it too: they leave after their saves
+                    say(f"{name} received again; the ranks exit once their saves under way have ended.")
+                handled = len(self.signals)
                 self.notice = self.signals[0]
-                if self.nodes and self.signals[0] != signal.SIGINT:
+                if self.nodes and handled == 1 and self.signals[0] != signal.SIGINT:
                     self.nodes.publish_preemption(self.signals[0])
             if self.nodes:
                 self.nodes.check()
                 self.notice = self.notice or self.nodes.preempted()
             if self.notice and stop_by is None:
                 stop_by = time.monotonic() + self.deadline
-            # A rank that saved after a notice exits 0 or 75; 75 also when the notice reached the ranks, not this.
-            ended_well = all(code in _ENDED for code in codes)
+            # A rank that saved after a notice exits 0 or 75; 75 also when the notice reached the ranks, not this. One
+            # that the notice itself ended (it came before the rank's Fabric took notices) had nothing to save yet.
+            ended_well = all(code in _ENDED or self._ended_by_notice(code) for code in codes)
             if ended_well and (not self.nodes or self.nodes.finish(attempt)):
                 return (self._after_notice() if self.notice or PREEMPTED_EXIT_CODE in codes else 0), None
             if self.notice and all(code is not None for code in codes) and not ended_well:
@@ -242,16 +250,30 @@ class Supervisor:
             codes = [rank.poll() for rank in self.ranks]
         return codes
 
+    def _ended_by_notice(self, code: int | None) -> bool:
+        return code is not None and self.notice in SIGNALS and -code in SIGNALS
+
     def _after_notice(self) -> int:
         if self.notice == signal.SIGINT:
             return 128 + signal.SIGINT
+        for local, rank in enumerate(self.ranks):
+            if self._ended_by_notice(rank.poll()):
+                how = how_it_ended(rank.poll())
+                say(
+                    f"rank {self.node_rank * self.processes + local} {how} before it took notices (its Fabric did not "
+                    "exist yet), so it had nothing to save; the newest complete checkpoint is the one to resume from."
+                )
         # One requeue for the whole job: node 0's.
         if self.node_rank != 0 or not requeue(say=lambda message: print(message, file=sys.stderr, flush=True)):
             say(f"preempted; every rank exited after saving. Exit code {PREEMPTED_EXIT_CODE}: run it again to resume.")
         return PREEMPTED_EXIT_CODE
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.signals.append(signum)
+        now = time.monotonic()
+        again = len(self.signals) == 1 and {signum, self.signals[0]} <= set(SIGNALS)
+        if not (again and now - self._first_signal_at < SAME_NOTICE_S):  # else one notice come twice
+            self.signals.append(signum)
+            self._first_signal_at = self._first_signal_at or now
         for rank in self.ranks:
             if rank.poll() is None:
                 try:

@@ -43,7 +43,7 @@ _STORE_FAILURES = 3  # store calls failing in a row that end the watchdog
 _MAX_LISTED = 8  # ranks listed by name in one report; the rest are counted
 
 # The call the user's code made into fabriclite or torch is "the operation" a rank is in.
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fabriclite/, not processes/
 
 
 class Places:

@@ -1,0 +1,360 @@
+"""What a signal does to a process of a run: one policy, one state machine (``_Policy``), driven by one thread that
+takes every signal as an event (``_watch``), for preemption notices (SIGTERM, SIGUSR1) and interrupts (SIGINT).
+
+``install`` runs when the process starts its part in a run (``Fabric`` creation, from the main thread), before
+setup, compilation, ``load_latest`` or the first step, so that a notice at any of those moments is noted, not fatal.
+
+- **A notice** (a first SIGTERM or SIGUSR1) is noted: ``fabric.preempted`` becomes True on every rank at the same
+  step (``preemption.agreed``); the script saves and exits 75.
+- **The same notice again** within ``SAME_NOTICE_S`` is one notice come twice (SLURM signals every process of a job
+  step, and a launcher passes the signal on too): nothing more happens.
+- **A second notice** later (SLURM's ``--signal=USR1@T``, then the time limit's SIGTERM) waits for the saves under
+  way, a synchronous one on the main thread or an asynchronous write in the background (``saving``), then exits
+  with ``PREEMPTED_EXIT_CODE`` (75): every checkpoint is complete or untouched, so the run resumes from the newest.
+- **A third notice**, or ``GRACE_S`` after the first without the process having ended, ends it the hard way: the
+  signal's default action (128 + its number).
+- A notice never becomes a kill otherwise, whatever the main thread is doing (a long save, a collective waiting for
+  a rank that saves).
+- **SIGINT** stays Python's ``KeyboardInterrupt``. Python runs handlers only between bytecodes, so a main thread
+  blocked in native code (a collective waiting for a hung rank) never sees it: once the main thread has stayed at
+  the very same instruction for ``INTERRUPT_GRACE_S``, the process exits with 130.
+- Every signal is passed on to the ranks this process started (``forward_to``) as it arrives.
+- A process forked from this one (a DataLoader worker) inherits handlers that ignore notices: its rank decides. One
+  that takes a part in the run itself (a rank of ``ddp_fork``) installs a policy of its own.
+
+The C-level handler writes each signal's number to the wakeup fd even while the main thread is blocked; the
+watching thread reads it. Where someone else owns the wakeup fd (asyncio, an IDE), the Python handler hands each
+notice to a thread of its own instead.
+
+Usage: ``install(rank)`` once per process; ``with saving(): ...`` around a save; ``noticed()`` for the notice.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+NOTICES = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
+SAME_NOTICE_S = 2.0
+GRACE_S = 300.0  # after a notice, how long a process may take to save and exit before it is ended
+INTERRUPT_GRACE_S = 10.0  # how long a main thread blocked in native code gets to take an interrupt itself
+
+
+class _Policy:
+    """The signal state of this process. ``on_notice`` is the one place that decides what a notice means; the
+    watching thread acts on it. ``saves`` counts the saves under way (any thread)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.rank = 0
+        self.notice: int | None = None  # the first notice
+        self.noticed_at = 0.0
+        self.notices = 0  # notices counted (one come twice counts once)
+        self.leaving = False  # a second notice came: exit once no save is under way
+        self.saves = 0
+        self.lock = threading.Lock()
+
+    def on_notice(self, signum: int) -> str:
+        """What the notice ``signum`` means now: "note", "same", "leave" (after the saves under way), "hard"."""
+        with self.lock:
+            now = time.monotonic()
+            if self.notice is None:
+                self.notice, self.noticed_at, self.notices = signum, now, 1
+                return "note"
+            if self.notices == 1 and now - self.noticed_at < SAME_NOTICE_S:
+                return "same"
+            self.notices += 1
+            if self.notices == 2 and now - self.noticed_at < GRACE_S:
+                self.leaving = True
+                return "leave"
+            return "hard"
+
+    def grace_left(self) -> float | None:
+        return None if self.notice is None else self.noticed_at + GRACE_S - time.monotonic()
+
+
+_policy = _Policy()
+_installed = False
+_watching = False  # the watching thread reads the wakeup fd
+_write_fd = -1  # the wakeup fd's writing end, ours
+_children: list[list[Any]] = []  # lists of the processes this one started (subprocess.Popen): signals go on to them
+
+
+def install(rank: int = 0) -> None:
+    """Take notices (SIGTERM, SIGUSR1) by this module's policy, and start the thread that watches every signal;
+    ``rank`` names this process in what it says. From the main thread only (Python's rule for signal handlers);
+    elsewhere, and a second time, it only updates ``rank``. Usage: ``install(global_rank)``."""
+    global _installed, _policy, _watching
+    if _policy.pid != os.getpid():  # forked, and taking a part in the run itself (ddp_fork): a policy of its own
+        _policy, _installed, _watching = _Policy(), False, False
+        _children.clear()
+    _policy.rank = rank
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    _installed = True
+    for signum in NOTICES:
+        signal.signal(signum, _on_notice)
+    _start_watching()
+
+
+def uninstall() -> None:
+    """Give the signals back (a process that becomes a supervisor of others has its own policy): the notices their
+    default action, the wakeup fd to nobody. Usage: ``uninstall()`` before ``Supervisor(...).run()``."""
+    global _installed, _watching
+    if not _installed:
+        return
+    for signum in NOTICES:
+        signal.signal(signum, signal.SIG_DFL)
+    if _watching and _wakeup_is_ours():
+        signal.set_wakeup_fd(-1)
+    _installed = _watching = False
+    _children.clear()
+
+
+def noticed() -> int | None:
+    """The first notice this process received (``signal.SIGTERM`` or ``SIGUSR1``), or None."""
+    return _policy.notice
+
+
+def forward_to(children: list[Any]) -> None:
+    """Pass every signal this process receives from now on to ``children`` (a list of ``subprocess.Popen`` or
+    ``multiprocessing`` processes, read at each signal, so ranks started later count).
+    Usage: ``forward_to(launcher.children)``."""
+    if not any(known is children for known in _children):
+        _children.append(children)
+
+
+@contextmanager
+def saving() -> Iterator[None]:
+    """Mark a save under way (on any thread): a second notice waits for it. Usage: ``with saving(): write()``."""
+    with _policy.lock:
+        _policy.saves += 1
+    try:
+        yield
+    finally:
+        with _policy.lock:
+            _policy.saves -= 1
+
+
+def _on_notice(signum: int, frame: Any) -> None:
+    if os.getpid() != _policy.pid:  # a forked child (a DataLoader worker): its rank decides for it
+        signal.signal(signum, signal.SIG_IGN)
+        return
+    if not (_watching and _wakeup_is_ours()):  # else the watching thread has it: decide on a thread of its own
+        threading.Thread(target=_leave_when_done, args=(_event(signum),), daemon=True).start()
+
+
+def _event(signum: int) -> bool:
+    """Act on one signal (on the watching thread); True once this process is to leave after its saves."""
+    _pass_on(signum)
+    if signum not in NOTICES:
+        return _policy.leaving
+    action = _policy.on_notice(signum)
+    name, rank = signal.Signals(signum).name, _policy.rank
+    if action == "note":
+        _say(
+            f"fabriclite: rank {rank} received {name}; fabric.preempted becomes True on every rank within two reads "
+            f"(a second signal, {SAME_NOTICE_S:g} s or more later, ends the run with exit code {PREEMPTED_EXIT_CODE} "
+            "once the save under way, if any, has finished)."
+        )
+    elif action == "leave":
+        _say(
+            f"fabriclite: rank {rank} received {name} again; exiting with code {PREEMPTED_EXIT_CODE} once no save is under way."
+        )
+    elif action == "hard":
+        _say(f"fabriclite: rank {rank} received {name} a third time; ending it at once (exit code {128 + signum}).")
+        _kill_children()
+        os._exit(128 + signum)  # as a shell reports the signal's default action; this may not be the main thread
+    return _policy.leaving
+
+
+def _leave_when_done(leaving: bool) -> None:
+    while leaving:
+        if _leave_if_done():
+            return
+        time.sleep(0.1)
+
+
+def _leave_if_done() -> bool:
+    with _policy.lock:
+        if _policy.saves:
+            return False
+    # The ranks this process started got the notice too, and leave once their own saves are done: they die with
+    # this process, so let them finish first (within the grace period).
+    while _running_children() and (_policy.grace_left() or 0) > 0:
+        time.sleep(0.1)
+    _end_as_preempted()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(PREEMPTED_EXIT_CODE)
+
+
+def _end_as_preempted() -> None:
+    # Ranks with a fabriclite launcher above them are requeued by it; others (srun's tasks) by global rank 0 here, as
+    # the end of a preempted script does (preemption._end), without its barrier: every rank is leaving anyway.
+    if _policy.rank == 0 and os.environ.get("FABRICLITE_LAUNCHER") != "fabriclite run":
+        requeue(say=_say)
+
+
+def _say(message: str) -> None:
+    os.write(2, f"{message}\n".encode())  # not print(): the main thread may be inside a print right now
+
+
+# ---------------------------------------------------------------------- SLURM
+def slurm_job_id() -> str | None:
+    """The id under which SLURM requeues this job, or None outside SLURM: ``<array job>_<task>`` in an array job
+    (``SLURM_ARRAY_JOB_ID``, ``SLURM_ARRAY_TASK_ID``; the task, not the whole array, is what was preempted), else
+    ``SLURM_JOB_ID``. Usage: ``scontrol requeue <slurm_job_id()>``."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue(say: Any = print) -> bool:
+    """In a SLURM job, ask SLURM to requeue it (``scontrol requeue`` with ``slurm_job_id()``); True when it did. A
+    job that may not be requeued (``--no-requeue``, the cluster's policy) makes scontrol fail: False, and the reason
+    said."""
+    job = slurm_job_id()
+    scontrol = shutil.which("scontrol")
+    if job is None or scontrol is None:
+        return False
+    try:
+        result = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        say(f"fabriclite: could not requeue SLURM job {job} ({error}).")
+        return False
+    if result.returncode != 0:
+        reason = (result.stderr or result.stdout).strip() or f"exit code {result.returncode}"
+        say(f"fabriclite: SLURM did not requeue job {job}: {reason}.")
+        return False
+    say(f"fabriclite: requeued SLURM job {job}; it resumes from its latest checkpoint when it starts again.")
+    return True
+
+
+# ---------------------------------------------------------------------- the watching thread
+def _start_watching() -> None:
+    global _watching, _write_fd
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if previous != -1:  # someone else's: leave it to them
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    _watching, _write_fd = True, write_fd
+    os.register_at_fork(after_in_child=_forget_wakeup_fd)  # DataLoader workers must not write into this pipe
+    main_id = threading.get_ident()
+    threading.Thread(target=_watch, args=(read_fd, main_id), name="fabriclite-signals", daemon=True).start()
+
+
+def _wakeup_is_ours() -> bool:
+    # Something may have taken the wakeup fd since (asyncio's add_signal_handler does): then nobody reads ours.
+    current = signal.set_wakeup_fd(-1)
+    ours = current == _write_fd
+    if current != -1:
+        signal.set_wakeup_fd(current, warn_on_full_buffer=not ours)
+    return ours
+
+
+def _forget_wakeup_fd() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # forked from a thread other than the main one: the child has no wakeup fd to clear
+        pass
+
+
+def _watch(read_fd: int, main_id: int) -> None:
+    """The loop: every signal is an event; between events, the timers (an interrupt the main thread cannot take, the
+    grace after a notice) and a pending exit after the saves under way."""
+    blocked_at: tuple[int, int, str] | None = None  # where the main thread was when SIGINT came
+    interrupt_until = None
+    while True:
+        timers = [t for t in (interrupt_until, _deadline()) if t is not None]
+        wait = min(timers) - time.monotonic() if timers else None
+        if _policy.leaving or interrupt_until is not None:
+            wait = 0.1 if wait is None else min(wait, 0.1)  # poll the saves, and the main thread's place
+        ready, _, _ = select.select([read_fd], [], [], None if wait is None else max(0.0, wait))
+        if ready:
+            received = os.read(read_fd, 64)
+            if not received:
+                return
+            for signum in dict.fromkeys(received):  # in arrival order, once each
+                _event(signum)
+                if signum == signal.SIGINT and interrupt_until is None:
+                    blocked_at = _main_position(main_id)
+                    interrupt_until = time.monotonic() + INTERRUPT_GRACE_S
+        if _policy.leaving:
+            _leave_if_done()
+        if interrupt_until is not None:
+            if blocked_at is None or _main_position(main_id) != blocked_at:
+                interrupt_until = None  # the main thread moved: its KeyboardInterrupt runs, and decides
+            elif time.monotonic() >= interrupt_until:
+                _say(
+                    f"fabriclite: SIGINT received, and this process stayed blocked for {INTERRUPT_GRACE_S:g} s in "
+                    f"{blocked_at[2]} (most often a collective waiting for another rank), where Python cannot "
+                    f"stop it; exiting with code {128 + signal.SIGINT}."
+                )
+                _kill_children()
+                os._exit(128 + signal.SIGINT)
+        left = _policy.grace_left()
+        if left is not None and left <= 0:
+            notice = _policy.notice or signal.SIGTERM
+            _say(
+                f"fabriclite: rank {_policy.rank} has not ended {GRACE_S:g} s after the preemption notice; ending it "
+                f"(exit code {128 + notice})."
+            )
+            _kill_children()
+            os._exit(128 + notice)
+
+
+def _deadline() -> float | None:
+    left = _policy.grace_left()
+    return None if left is None else time.monotonic() + left
+
+
+def _pass_on(signum: int) -> None:
+    for child in _running_children():
+        try:
+            os.kill(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _kill_children() -> None:
+    for child in _running_children():
+        child.kill()
+
+
+def _running_children() -> list[Any]:
+    running = []
+    for children in _children:
+        for child in list(children):
+            alive = child.poll() is None if hasattr(child, "poll") else child.is_alive()
+            if alive:
+                running.append(child)
+    return running
+
+
+def _main_position(main_id: int) -> tuple[int, int, str] | None:
+    from fabriclite.processes.watchdog import Places, describe, locate, operation_name
+
+    frame = sys._current_frames().get(main_id)
+    if frame is None:
+        return None
+    operation, caller = locate(frame, Places())
+    where = f"{operation_name(operation)}, called at {describe(caller)}" if operation else describe(caller)
+    return id(frame), frame.f_lasti, where
