@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import triton
 
-from fabriclite.utilities.imports import wrap_triton_enabled
+from fabriclite.utilities.imports import traced_triton_launch
 
 # Kernel launches by kernel name. Tests read it to prove a Triton kernel ran (there is no torch fallback to hide
 # behind); it costs one dict update per launch.
@@ -32,10 +32,10 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     Usage: ``launch(_my_forward_kernel, (n_rows,), x, y, n_cols, BLOCK=1024)``.
     """
     LAUNCHES[kernel.__name__] += 1
-    if wrap_triton_enabled():  # torch.compile tracing a library op: the launch becomes a node of its graph
+    tensor = args[0]
+    if traced_triton_launch(tensor):  # torch.compile tracing a library op: the launch becomes a node of its graph
         torch.library.wrap_triton(kernel)[grid](*args, **meta)
         return
-    tensor = args[0]
     if tensor.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(
             f"fabriclite.kernels run Triton kernels on CUDA tensors; got a tensor on {tensor.device}. Move the "

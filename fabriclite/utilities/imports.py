@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 from torch._library.triton import is_wrap_triton_enabled
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 TORCH_FLOOR = (2, 8)  # why not older: this module's docstring
 
@@ -119,13 +121,16 @@ def reset_compiler() -> None:
         dynamo.reset()
 
 
-def wrap_triton_enabled() -> bool:
-    """True while torch.compile traces the body of a ``torch.library.triton_op`` (every supported torch has them): a
-    kernel launched then must go through ``torch.library.wrap_triton`` to land in the graph.
+def traced_triton_launch(tensor: torch.Tensor) -> bool:
+    """True when a Triton kernel launched on ``tensor`` must go through ``torch.library.wrap_triton`` to land in a
+    graph: torch.compile is tracing the body of a ``torch.library.triton_op`` (the tensor is a fake or functional one
+    and wrapping is on). False for a real tensor, whose kernel is launched directly: torch leaves wrapping on outside
+    any trace too, and a wrapped launch on a real tensor goes through a higher-order op's dispatch (and, on torch
+    2.8 to 2.12, fails under Triton's interpreter).
 
-    Usage: ``if wrap_triton_enabled(): torch.library.wrap_triton(kernel)[grid](*args)``.
+    Usage: ``if traced_triton_launch(x): torch.library.wrap_triton(kernel)[grid](x, ...)``.
     """
-    return is_wrap_triton_enabled()
+    return isinstance(tensor, (FakeTensor, FunctionalTensor)) and is_wrap_triton_enabled()
 
 
 def inductor_cache_dir() -> str:
