@@ -139,10 +139,13 @@ def test_plot_is_a_listed_and_documented_subcommand(capsys):
         (["{logs}/missing", "-o", "{logs}/c.png"], "'{logs}/missing' does not exist: pass a metrics.csv file, a"),
         (["{logs}/empty", "-o", "{logs}/c.png"], "'{logs}/empty' has no metrics.csv below it: pass a CSVLogger"),
         (["{logs}/gpt", "-o", "{logs}/c.jpg"], "output '{logs}/c.jpg' must end in .png, .pdf or .svg"),
-        (["{logs}/gpt", "-o", "{logs}/c.png", "--x", "epoch"], "no 'epoch' column for the x axis; its columns: step,"),
+        (
+            ["{logs}/gpt", "-o", "{logs}/c.png", "--x", "epoch"],
+            "no 'epoch' column for the x axis; its columns: accuracy, loss, step.",
+        ),
         (
             ["{logs}/gpt", "-o", "{logs}/c.png", "--metrics", "loss,acc"],
-            "unknown metric 'acc'; the runs have: loss, acc",
+            "unknown metric 'acc'; the runs have: accuracy, loss. Did you mean 'accuracy'?",
         ),
         (["{logs}/gpt", "-o", "{logs}/c.png", "--metrics", ","], "nothing to plot: name at least one metric; the runs"),
     ],
