@@ -22,7 +22,7 @@ from fabriclite.kernels import (
 )
 
 FP32_POINTERS = {"loss_ptr", "n_valid_ptr", "mean_ptr", "rstd_ptr", "stats_ptr", "state_ptr", "dweight_partial_ptr", "dbias_partial_ptr", "partials_ptr"}
-BLOCKS = {"BLOCK": 1024, "BLOCK_M": 4, "BLOCK_N": 1024, "BLOCK_H": 32, "BLOCK_HALF": 64}
+BLOCKS = {"BLOCK": 1024, "BLOCK_M": 4, "BLOCK_N": 1024, "BLOCK_H": 32, "BLOCK_HALF": 64, "ROWS": 4}
 KERNELS = [
     fused_cross_entropy._cross_entropy_forward_kernel, fused_cross_entropy._cross_entropy_backward_kernel,
     _norm._norm_forward_kernel, _norm._norm_backward_kernel,
