@@ -40,23 +40,16 @@ is cast to hidden's dtype at once when they differ, and the forward computes gra
 where the vocabulary chunks and their fp32 accumulator have it.
 """
 
-import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from fabriclite.kernels import fused_cross_entropy
-from fabriclite.kernels._common import as_rows, cast, cdiv, check_dtypes, launch, library_op, num_warps
-from fabriclite.kernels._linear_cross_entropy_kernels import (
-    _linear_cross_entropy_backward_kernel,
-    _linear_cross_entropy_forward_kernel,
-)
+from fabriclite.kernels._common import as_rows, cast, check_dtypes, library_op
+from fabriclite.kernels._linear_cross_entropy_kernels import fold, overwrite_with_gradient
 
 _REDUCTIONS = ("mean", "sum", "none")
-# The widest slice of a chunk's row one program reads at a time.
-MAX_BLOCK = 4096
 # Vocabulary columns per chunk; None picks _chunk_cols(). Tests lower it to run many chunks on small shapes.
 CHUNK_COLS: Optional[int] = None
 # The row-chunk design (see above); benchmarks/kernels.py times it next to the vocabulary chunks. CHUNK_ROWS: rows
@@ -72,15 +65,6 @@ def _chunk_cols(n_rows: int, hidden_size: int, vocab_size: int) -> int:
         return CHUNK_COLS
     cols = max(hidden_size, (1 << 24) // max(n_rows, 1))
     return min(vocab_size, max(256, cols // 256 * 256))
-
-
-@functools.lru_cache(maxsize=None)
-def _block(n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK, BLOCK_M, num_warps): a program sweeps BLOCK_M rows of a chunk BLOCK columns at a time, about
-    MAX_BLOCK elements a step (one row a program for the wide chunks of an LLM, many for narrow ones)."""
-    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
-    block_m = max(1, MAX_BLOCK // block)
-    return block, block_m, num_warps(block * block_m)
 
 
 def _chunk_rows(n_rows: int, hidden_size: int, vocab_size: int) -> int:
@@ -103,77 +87,6 @@ def _chunk_logits(hidden, weight, bias, start: int, end: int) -> tuple[torch.Ten
     chunk_weight = cast(weight[start:end], hidden.dtype)
     chunk_bias = cast(bias[start:end], hidden.dtype) if bias is not None else None
     return F.linear(hidden, chunk_weight, chunk_bias), chunk_weight
-
-
-def _flags(label_smoothing: float, softcap: Optional[float], z_loss: float) -> dict:
-    return {"SMOOTHING": label_smoothing > 0.0, "SOFTCAP": softcap is not None, "Z_LOSS": z_loss > 0.0}
-
-
-def _fold(logits, target, state, row_loss, start: int, vocab_size: int, options: tuple, first: bool, last: bool):
-    """The forward kernel on one chunk's (rows, cols) logits, the vocabulary's columns from ``start``: folds them
-    into the rows' ``state`` (m, d, the smoothing sums, the target's logit) and after the ``last`` chunk writes the
-    rows' losses. ``options``: (ignore_index, label_smoothing, softcap, z_loss)."""
-    n_rows, n_cols = logits.shape
-    ignore_index, label_smoothing, softcap, z_loss = options
-    block, block_m, warps = _block(n_cols)
-    launch(
-        _linear_cross_entropy_forward_kernel,
-        (cdiv(n_rows, block_m),),
-        logits,
-        logits.stride(0),
-        target,
-        state,
-        row_loss,
-        n_rows,
-        n_cols,
-        start,
-        vocab_size,
-        ignore_index,
-        label_smoothing,
-        softcap if softcap is not None else 1.0,
-        z_loss,
-        FIRST=first,
-        LAST=last,
-        BLOCK=block,
-        BLOCK_M=block_m,
-        num_warps=warps,
-        **_flags(label_smoothing, softcap, z_loss),
-    )
-
-
-def _overwrite_with_gradient(
-    logits, target, state, grad_output, grad_output_stride: int, n_valid, start: int, vocab_size: int, options: tuple
-) -> None:
-    """The backward kernel on one chunk's (rows, cols) logits: overwrites them with their gradient, from the rows'
-    final ``state``, ``grad_output`` (a scalar when its stride is 0) and, for "mean", the ``n_valid`` count."""
-    n_rows, n_cols = logits.shape
-    ignore_index, label_smoothing, softcap, z_loss = options
-    block, block_m, warps = _block(n_cols)
-    mean = n_valid.numel() > 0
-    launch(
-        _linear_cross_entropy_backward_kernel,
-        (cdiv(n_rows, block_m),),
-        logits,
-        logits.stride(0),
-        target,
-        state,
-        grad_output,
-        grad_output_stride,
-        n_valid if mean else state,
-        n_rows,
-        n_cols,
-        start,
-        vocab_size,
-        ignore_index,
-        label_smoothing,
-        softcap if softcap is not None else 1.0,
-        z_loss,
-        MEAN=mean,
-        BLOCK=block,
-        BLOCK_M=block_m,
-        num_warps=warps,
-        **_flags(label_smoothing, softcap, z_loss),
-    )
 
 
 def _forward(
@@ -201,7 +114,7 @@ def _forward(
         if n_rows == 0:
             break
         logits, _ = _chunk_logits(hidden, weight, bias, start, end)
-        _fold(logits, target, state, row_loss, start, vocab_size, options, index == 0, index == len(chunks) - 1)
+        fold(logits, target, state, row_loss, start, vocab_size, options, index == 0, index == len(chunks) - 1)
         del logits  # before the next chunk's: one chunk of logits at a time
     n_valid = (target != ignore_index).sum() if reduction == "mean" else row_loss.new_empty(0)
     return fused_cross_entropy.reduce(row_loss, n_valid, reduction, hidden.dtype), state, n_valid
@@ -265,8 +178,8 @@ def _forward_and_gradients(
         rows, chunk_hidden, chunk_target = end - start, hidden[start:end], target[start:end]
         logits = F.linear(chunk_hidden, compute_weight, compute_bias)  # whole rows: one chunk of the vocabulary
         state = torch.empty(5 * rows, dtype=torch.float32, device=device)
-        _fold(logits, chunk_target, state, row_loss[start:end], 0, vocab_size, options, True, True)
-        _overwrite_with_gradient(logits, chunk_target, state, one, 0, n_valid, 0, vocab_size, options)
+        fold(logits, chunk_target, state, row_loss[start:end], 0, vocab_size, options, True, True)
+        overwrite_with_gradient(logits, chunk_target, state, one, 0, n_valid, 0, vocab_size, options)
         grad_logits = logits
         if want_hidden:
             torch.mm(grad_logits, compute_weight, out=grad_hidden[start:end])
@@ -312,7 +225,7 @@ def _backward(
     options = (ignore_index, label_smoothing, softcap, z_loss)
     for start, end in _chunks(n_rows, hidden_size, vocab_size) if (n_rows and any(needs_grad)) else ():
         logits, chunk_weight = _chunk_logits(hidden, weight, bias, start, end)
-        _overwrite_with_gradient(
+        overwrite_with_gradient(
             logits, target, state, grad_output, grad_output_stride, n_valid, start, vocab_size, options
         )
         grad_logits = logits
