@@ -197,11 +197,11 @@ def _launch_sizes(n_cols: int) -> tuple[int, int]:
 
 
 # The backward's launch plan. Register use decides it: ptxas for sm_90 (Triton's own, no GPU needed; issue 40) gives
-# the row loop at width 4096 108-118 registers a thread at 8 warps, so at most two of its 8-warp programs fit on a
+# the row loop at width 4096 109-118 registers a thread at 8 warps, so at most two of its 8-warp programs fit on a
 # multiprocessor, each waiting on every row's loads. Tiles of at least TILE_ELEMENTS (several narrow rows, one wide
-# row), ELEMENTS_PER_THREAD of them per thread, with the next tile loaded ahead, stay at 40-101 registers: 5-8
-# programs of 4-8 warps at widths up to 2048, and at 4096 two (RMS norm) or one (layer norm) of 16 warps, with twice
-# the bytes on their way. Rows wider than PREFETCH_MAX_BLOCK take the row loop, whose registers they already fill.
+# row), ELEMENTS_PER_THREAD of them per thread, with the next tile loaded ahead, take 64-87 registers up to width
+# 2048 (3-8 programs of 4-8 warps fit), and at 4096 64-101 (two or one of 16 warps), with twice the bytes on their
+# way. Rows wider than PREFETCH_MAX_BLOCK take the row loop, whose registers they already fill.
 # ROW_LOOP_BACKWARD = True takes the row loop at every width: the design before tiles, which benchmarks/kernels.py
 # times side by side with them.
 TILE_ELEMENTS = 1024
@@ -305,7 +305,9 @@ def _backward(
     programs = cdiv(n_rows, rows_per_program) if n_rows else 1
     # The weight's and the bias's fp32 partials, one row per program, in one buffer.
     n_partials = (weight is not None) + has_bias
-    partials = torch.empty((n_partials, programs, n_cols), dtype=torch.float32, device=x.device) if n_partials else dx
+    # No rows, no launch: the partials must then be zeros (a sum of nothing), not whatever the memory held.
+    allocate = torch.empty if n_rows else torch.zeros
+    partials = allocate((n_partials, programs, n_cols), dtype=torch.float32, device=x.device) if n_partials else dx
     if n_rows > 0:
         launch(
             _norm_backward_kernel,

@@ -36,8 +36,9 @@ two matmuls make the chunk's rows of hidden's gradient and add its share to the 
 as in eager, all in the forward; the backward only scales the gradients by the loss's gradient. The price: the
 weight's gradient is accumulated chunk by chunk (rounded once per chunk in a bf16 weight's dtype), the whole weight
 is cast to hidden's dtype at once when they differ, and the forward computes gradients whenever one will be needed
-(eager calls with grad enabled, "mean" and "sum" only). Chunks of about ``2 x N x H / V`` rows keep the peak memory
-where the vocabulary chunks and their fp32 accumulator have it.
+(eager calls with grad enabled, "mean" and "sum" only), once: a second backward through the same graph is refused.
+Chunks of about ``2 x N x H / V`` rows keep the peak memory where the vocabulary chunks and their fp32 accumulator
+have it.
 """
 
 from typing import Optional
@@ -254,7 +255,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss, grads):
         arguments = (hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss)
-        ctx.gradients = None
+        ctx.gradients, ctx.row_chunks = None, grads
         if grads:  # the row-chunk design: the gradients now, scaled in the backward
             needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
             loss, ctx.gradients = _forward_and_gradients(*arguments, needs)
@@ -267,8 +268,14 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        if ctx.gradients is not None:
-            gradients, ctx.gradients = ctx.gradients, None  # freed with the graph, or now
+        if ctx.row_chunks:
+            if ctx.gradients is None:
+                raise RuntimeError(
+                    "linear_cross_entropy with fused_linear_cross_entropy.GRADIENT_IN_FORWARD makes its gradients "
+                    "once, in the forward, and hands them to the first backward; a second backward through the same "
+                    "graph (retain_graph=True) needs GRADIENT_IN_FORWARD = False."
+                )
+            gradients, ctx.gradients = ctx.gradients, None  # scaled in place and handed over: no second copy
             grad_hidden, grad_weight, grad_bias = (g.mul_(grad_loss) if g is not None else None for g in gradients)
             return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
         hidden, weight, target, bias, state, n_valid = ctx.saved_tensors

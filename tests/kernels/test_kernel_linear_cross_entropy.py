@@ -211,6 +211,14 @@ def test_row_chunks_leave_reduction_none_and_calls_without_grad_to_the_vocabular
     assert torch.all(loss[list(IGNORED)] == 0) and torch.all(grad_hidden[list(IGNORED)] == 0)
 
 
+def test_row_chunks_refuse_a_second_backward_through_the_same_graph_saying_what_works(row_chunks):
+    (hidden, _), (weight, _), _, target = _inputs(torch.float32, bias=False)
+    loss = linear_cross_entropy(hidden, weight, target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="GRADIENT_IN_FORWARD = False"):
+        loss.backward()
+
+
 def test_row_chunks_keep_fp32_gradients_for_fp32_master_weights(row_chunks):
     test_fp32_master_weights_with_bf16_hidden_states_compute_in_bf16_and_keep_fp32_gradients("mean")
 

@@ -115,3 +115,15 @@ def test_rows_wider_than_the_tiles_take_the_row_loop_and_stay_correct():
 
     assert_matches(x.grad, x_ref.grad, torch.float32)
     assert_matches(weight.grad, weight_ref.grad, torch.float32)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_no_rows_give_zero_parameter_gradients_as_torch_does(rms):
+    x = torch.randn(0, 8, device=DEVICE, requires_grad=True)
+    weight = torch.randn(8, device=DEVICE, requires_grad=True)
+    bias = torch.randn(8, device=DEVICE, requires_grad=True)
+    y = rms_norm(x, weight, 1e-6) if rms else layer_norm(x, (8,), weight, bias)
+    y.sum().backward()
+    assert torch.equal(weight.grad, torch.zeros(8, device=DEVICE))
+    if not rms:
+        assert torch.equal(bias.grad, torch.zeros(8, device=DEVICE))
