@@ -10,7 +10,11 @@ gradient) over the time, next to the copy bandwidth of the device measured with 
 move more than that minimum (cross-entropy's forward also writes the gradient) show it as lower throughput.
 
 Results go to a CSV (one row per op, size, mode and implementation, each written as soon as it is measured, with
-the device, torch and triton versions) and a markdown table on stdout. ``--quick`` keeps the LLM sizes only.
+the device, torch and triton versions) and a markdown table on stdout. ``--quick`` keeps the LLM sizes and ViT-B/16's
+norm only. Layer norm and RMS norm also get a third mode, "both, GPU time": the GPU's kernel time of a forward and
+backward from the profiler, without the host's time, which do_bench's wall time includes when the host is the slower
+side (a norm call at 16384x4096 on an H200 was). Two more columns time issue 40's alternatives side by side: the
+norm backward's row loop, and linear cross-entropy's row chunks.
 
 ``--host-cost`` measures instead the Python cost of one forward+backward call at a tiny shape (16x768), where a
 GPU finishes the work long before the host has launched it: fabriclite's path with every Triton launch replaced by a
@@ -31,8 +35,8 @@ import importlib
 import math
 import sys
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -46,17 +50,28 @@ DTYPE = torch.bfloat16
 NORM_WIDTHS = (768, 1024, 4096, 8192)
 ROWS = (4096, 16384, 32768)
 QUICK_NORMS = ((4096, 8192), (16384,))
+VIT_NORMS = ((768,), (25216,))  # ViT-B/16's rows at batch 128: issue 40's other norm backward goal
 CROSS_ENTROPY_SHAPES = ((8192, 50257), (8192, 128256))
 LINEAR_CROSS_ENTROPY_SHAPES = ((8192, 768, 50257), (8192, 4096, 128256))  # tokens, width, vocabulary
 ROPE_HEAD_DIM, ROPE_SEQ_LEN = 64, 1024
 # Forward alone, and forward + backward (what a training step pays). A backward alone would have to run twice on
 # one graph, which the in-place backward of the cross-entropy refuses by design.
 MODES = ("forward", "both")
+# The norms' forward and backward once more, as the GPU's kernel time alone (summed from the profiler, no host time):
+# what tells one backward design from another where a call's host time hides both.
+GPU_TIME = "both, GPU time"
+NORM_MODES = (*MODES, GPU_TIME)
 # "fabriclite, overwrite": cross_entropy(..., overwrite_logits=True), the backward writing the gradient over the
 # logits instead of into a new (N, C) buffer. The benchmark's logits are leaves, so their values are the gradient
 # of the last call from then on (the same work each call); a model's logits are a linear layer's output, which
 # nothing reads after the loss.
-IMPLEMENTATIONS = ("fabriclite", "fabriclite, overwrite", "torch", "torch.compile", "liger")
+# "fabriclite, row loop": the norm backward as it was before issue 40, one row at a time (_norm.ROW_LOOP_BACKWARD),
+# timed next to the tiles that replaced it. "fabriclite, row chunks": linear cross-entropy's other design, chunks of
+# rows with the gradients made in the forward (fused_linear_cross_entropy.GRADIENT_IN_FORWARD).
+IMPLEMENTATIONS = (
+    "fabriclite", "fabriclite, row loop", "fabriclite, row chunks", "fabriclite, overwrite", "torch",
+    "torch.compile", "liger",
+)  # fmt: skip
 
 Inputs = dict[str, torch.Tensor]
 
@@ -71,6 +86,8 @@ class Case:
     implementations: dict[str, Callable[..., Any]]  # name -> fn(**inputs) returning a tensor or a tuple
     min_bytes: dict[str, int]  # mode -> bytes an ideal implementation reads and writes
     extra_leaves: tuple[torch.Tensor, ...] = ()  # parameters a module (Liger's) brings along
+    modes: tuple[str, ...] = MODES
+    settings: dict[str, Callable[[], Any]] = field(default_factory=dict)  # name -> a context to measure it in
 
 
 # ---------------------------------------------------------------------- the cases
@@ -119,7 +136,8 @@ def norm_cases(rows_list: tuple[int, ...], widths: tuple[int, ...] = NORM_WIDTHS
     for width in widths:
         for rows in rows_list:
             shape, elements = f"{rows}x{width}", rows * width
-            io = {"forward": 4 * elements, "backward": 6 * elements, "both": 10 * elements}  # bf16: 2 bytes
+            # bf16: 2 bytes
+            io = {"forward": 4 * elements, "backward": 6 * elements, "both": 10 * elements, GPU_TIME: 10 * elements}
 
             def layer_norm_eager(x, weight, bias, _n=width):
                 return F.layer_norm(x, (_n,), weight, bias)
@@ -132,12 +150,17 @@ def norm_cases(rows_list: tuple[int, ...], widths: tuple[int, ...] = NORM_WIDTHS
                     lambda r=rows, n=width: {"x": _leaf(r, n), "weight": _leaf(n), "bias": _leaf(n)},
                     {
                         "fabriclite": lambda x, weight, bias, _n=width: kernels.layer_norm(x, (_n,), weight, bias),
+                        "fabriclite, row loop": lambda x, weight, bias, _n=width: kernels.layer_norm(
+                            x, (_n,), weight, bias
+                        ),
                         "torch": layer_norm_eager,
                         "torch.compile": _compiled(layer_norm_eager),
                         **({"liger": lambda x, weight, bias, _m=liger_ln: _m(x)} if liger_ln is not None else {}),
                     },
                     io,
                     tuple(liger_ln.parameters()) if liger_ln is not None else (),
+                    NORM_MODES,
+                    {"fabriclite, row loop": _row_loop_backward},
                 )
             )
 
@@ -178,12 +201,15 @@ def norm_cases(rows_list: tuple[int, ...], widths: tuple[int, ...] = NORM_WIDTHS
                     lambda r=rows, n=width: {"x": _leaf(r, n), "weight": _leaf(n)},
                     {
                         "fabriclite": lambda x, weight: kernels.rms_norm(x, weight, 1e-6),
+                        "fabriclite, row loop": lambda x, weight: kernels.rms_norm(x, weight, 1e-6),
                         "torch": rms_norm_eager,
                         "torch.compile": _compiled(rms_norm_eager),
                         **({"liger": lambda x, weight, _m=liger_rms: _m(x)} if liger_rms is not None else {}),
                     },
                     io,
                     tuple(liger_rms.parameters()) if liger_rms is not None else (),
+                    NORM_MODES,
+                    {"fabriclite, row loop": _row_loop_backward},
                 )
             )
 
@@ -363,6 +389,7 @@ def linear_cross_entropy_cases(
                 lambda r=rows, h=width, c=classes: make(r, h, c),
                 {
                     "fabriclite": kernels.linear_cross_entropy,
+                    "fabriclite, row chunks": kernels.linear_cross_entropy,
                     "torch": eager,
                     "torch.compile": _compiled(eager),
                     # Liger takes the weight first.
@@ -373,6 +400,7 @@ def linear_cross_entropy_cases(
                     ),
                 },
                 {"forward": io, "backward": io, "both": 2 * io},
+                settings={"fabriclite, row chunks": _row_chunks},
             )
         )
     return cases
@@ -413,14 +441,37 @@ def measure(case: Case, name: str, fn: Callable[..., Any], mode: str) -> tuple[f
     def both() -> None:
         torch.autograd.backward(forward(), grads)
 
-    thunk = {"forward": forward, "both": both}[mode]
+    thunk = forward if mode == "forward" else both
     thunk()  # compiles (torch.compile, Triton) outside the timing
     for leaf in leaves:
         leaf.grad = None
     del outputs  # the timed forward makes its own graph; keep the memory baseline clean
     peak = _peak_mib(thunk)
+    if mode == GPU_TIME:
+        return gpu_milliseconds(thunk, leaves), peak
     milliseconds = do_bench(thunk, grad_to_none=leaves, return_mode="median")
     return milliseconds, peak
+
+
+def gpu_milliseconds(thunk: Callable[[], Any], leaves: list[torch.Tensor], calls: int = 20) -> float:
+    """Milliseconds the GPU spends in the kernels (and copies) of one ``thunk()``: the profiler's device events of
+    ``calls`` calls, summed, over ``calls``. Host time, which do_bench's wall time includes when the host is the
+    slower side, is left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for leaf in leaves:
+                leaf.grad = None
+            thunk()
+        torch.cuda.synchronize()
+    device_us = sum(
+        event.time_range.elapsed_us() for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if device_us <= 0:
+        raise RuntimeError("the profiler recorded no GPU activity")
+    return device_us / calls / 1e3
 
 
 def copy_bandwidth_gbps() -> float:
@@ -464,6 +515,32 @@ def markdown(rows: list[dict[str, Any]], header: list[str]) -> str:
 
 # ---------------------------------------------------------------------- host cost
 HOST_COST_SHAPE = (16, 768)
+
+
+@contextmanager
+def _switched(module: str, name: str) -> Any:
+    """``fabriclite.kernels.<module>.<name>`` (a design switch) True inside the block."""
+    switches = importlib.import_module(f"fabriclite.kernels.{module}")
+    setattr(switches, name, True)
+    try:
+        yield
+    finally:
+        setattr(switches, name, False)
+
+
+def _row_loop_backward() -> Any:
+    """The norm backward's previous design: one row at a time, nothing loaded ahead."""
+    return _switched("_norm", "ROW_LOOP_BACKWARD")
+
+
+def _row_chunks() -> Any:
+    """Linear cross-entropy in chunks of rows, the gradients made in the forward."""
+    return _switched("fused_linear_cross_entropy", "GRADIENT_IN_FORWARD")
+
+
+def settings(case: Case, name: str) -> Any:
+    """The context ``case``'s implementation ``name`` is measured in (usually none)."""
+    return case.settings.get(name, nullcontext)()
 
 
 @contextmanager
@@ -686,7 +763,8 @@ def main() -> int:
     device_name = torch.cuda.get_device_name()
     copy_gbps = copy_bandwidth_gbps()
     cases = (
-        norm_cases(QUICK_NORMS[1], QUICK_NORMS[0]) + cross_entropy_cases(CROSS_ENTROPY_SHAPES[-1:])
+        norm_cases(QUICK_NORMS[1], QUICK_NORMS[0]) + norm_cases(VIT_NORMS[1], VIT_NORMS[0])
+        + cross_entropy_cases(CROSS_ENTROPY_SHAPES[-1:])
         + linear_cross_entropy_cases(LINEAR_CROSS_ENTROPY_SHAPES[-1:])
         if args.quick
         else norm_cases(ROWS) + cross_entropy_cases() + linear_cross_entropy_cases()
@@ -704,11 +782,12 @@ def main() -> int:
         for case in cases:
             torch._dynamo.reset()
             for name, fn in case.implementations.items():
-                for mode in MODES:
+                for mode in case.modes:
                     print(f"{case.op} {case.shape} {name} {mode}", file=sys.stderr, flush=True)
                     error = ""
                     try:
-                        milliseconds, peak = measure(case, name, fn, mode)
+                        with settings(case, name):
+                            milliseconds, peak = measure(case, name, fn, mode)
                     except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' numbers
                         milliseconds, peak, error = math.nan, math.nan, f"{type(exc).__name__}: {exc}"
                         print(f"  failed: {error}", file=sys.stderr)

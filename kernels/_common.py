@@ -170,11 +170,11 @@ def _multiprocessors(index: int) -> int:
 PROGRAMS_PER_MULTIPROCESSOR = 4
 
 
-def reduction_programs(device: torch.device, n_rows: int) -> int:
+def reduction_programs(device: torch.device, n_rows: int, per_multiprocessor: int = PROGRAMS_PER_MULTIPROCESSOR) -> int:
     """How many programs share the rows of a backward that also sums weight gradients (each keeps an fp32 partial
-    sum of its rows): a few per multiprocessor on a GPU, a few in all in the interpreter where programs run one by
-    one."""
+    sum of its rows): ``per_multiprocessor`` per multiprocessor on a GPU, a few in all in the interpreter where
+    programs run one by one."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return max(1, min(n_rows, PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(index)))
+        return max(1, min(n_rows, per_multiprocessor * _multiprocessors(index)))
     return max(1, min(n_rows, 4))

@@ -1,10 +1,16 @@
-"""The Triton kernels of ``fused_linear_cross_entropy``: per chunk of the vocabulary, the forward folds the chunk's
-logits into each token's running max and sum (online softmax) and writes the loss after the last chunk; the backward
-overwrites the chunk's recomputed logits with their gradient. The host code, and what the passes compute, are
-described in ``fused_linear_cross_entropy``."""
+"""The Triton kernels of ``fused_linear_cross_entropy`` and their launches: per chunk of logits (columns of the
+vocabulary, or whole rows), the forward folds the chunk's logits into each token's running max and sum (online
+softmax) and writes the loss after the last chunk (``fold``); the backward overwrites the chunk's logits with their
+gradient (``overwrite_with_gradient``). The designs that call them, and what the passes compute, are described in
+``fused_linear_cross_entropy``."""
+
+import functools
+from typing import Optional
 
 import triton
 import triton.language as tl
+
+from fabriclite.kernels._common import cdiv, launch, num_warps
 
 
 @triton.jit
@@ -157,3 +163,87 @@ def _linear_cross_entropy_backward_kernel(
             grad = grad * (1.0 - t * t)  # d capped / d logits
         grad = tl.where(valid[:, None], grad, 0.0)  # ignored rows: no gradient
         tl.store(row_ptrs[:, None] + cols[None, :], grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+# The widest slice of a chunk's row one program reads at a time.
+MAX_BLOCK = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def _block(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK, BLOCK_M, num_warps): a program sweeps BLOCK_M rows of a chunk BLOCK columns at a time, about
+    MAX_BLOCK elements a step (one row a program for the wide chunks of an LLM, many for narrow ones)."""
+    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
+    block_m = max(1, MAX_BLOCK // block)
+    return block, block_m, num_warps(block * block_m)
+
+
+def _flags(label_smoothing: float, softcap: Optional[float], z_loss: float) -> dict:
+    return {"SMOOTHING": label_smoothing > 0.0, "SOFTCAP": softcap is not None, "Z_LOSS": z_loss > 0.0}
+
+
+def fold(logits, target, state, row_loss, start: int, vocab_size: int, options: tuple, first: bool, last: bool):
+    """The forward kernel on one chunk's (rows, cols) logits, the vocabulary's columns from ``start``: folds them
+    into the rows' ``state`` (m, d, the smoothing sums, the target's logit) and after the ``last`` chunk writes the
+    rows' losses. ``options``: (ignore_index, label_smoothing, softcap, z_loss)."""
+    n_rows, n_cols = logits.shape
+    ignore_index, label_smoothing, softcap, z_loss = options
+    block, block_m, warps = _block(n_cols)
+    launch(
+        _linear_cross_entropy_forward_kernel,
+        (cdiv(n_rows, block_m),),
+        logits,
+        logits.stride(0),
+        target,
+        state,
+        row_loss,
+        n_rows,
+        n_cols,
+        start,
+        vocab_size,
+        ignore_index,
+        label_smoothing,
+        softcap if softcap is not None else 1.0,
+        z_loss,
+        FIRST=first,
+        LAST=last,
+        BLOCK=block,
+        BLOCK_M=block_m,
+        num_warps=warps,
+        **_flags(label_smoothing, softcap, z_loss),
+    )
+
+
+def overwrite_with_gradient(
+    logits, target, state, grad_output, grad_output_stride: int, n_valid, start: int, vocab_size: int, options: tuple
+) -> None:
+    """The backward kernel on one chunk's (rows, cols) logits: overwrites them with their gradient, from the rows'
+    final ``state``, ``grad_output`` (a scalar when its stride is 0) and, for "mean", the ``n_valid`` count."""
+    n_rows, n_cols = logits.shape
+    ignore_index, label_smoothing, softcap, z_loss = options
+    block, block_m, warps = _block(n_cols)
+    mean = n_valid.numel() > 0
+    launch(
+        _linear_cross_entropy_backward_kernel,
+        (cdiv(n_rows, block_m),),
+        logits,
+        logits.stride(0),
+        target,
+        state,
+        grad_output,
+        grad_output_stride,
+        n_valid if mean else state,
+        n_rows,
+        n_cols,
+        start,
+        vocab_size,
+        ignore_index,
+        label_smoothing,
+        softcap if softcap is not None else 1.0,
+        z_loss,
+        MEAN=mean,
+        BLOCK=block,
+        BLOCK_M=block_m,
+        num_warps=warps,
+        **_flags(label_smoothing, softcap, z_loss),
+    )

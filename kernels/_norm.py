@@ -9,7 +9,11 @@ stored: it leaves the registers once, instead of an add kernel writing it and a 
 
 Backward: each program walks a contiguous range of rows, writes their input gradient and keeps fp32 partial sums
 of the weight (and bias) gradient in registers; a second reduction (torch's ``sum`` over the programs) adds up the
-partials. There are a few programs per multiprocessor, so that one program's loads overlap another's arithmetic. The
+partials. A program walks its rows in tiles (several narrow rows at once, one wide row), about 8 elements a
+thread, and loads the next tile's ``dy`` and ``x`` before it reduces the current one. One row at a time with nothing
+loaded ahead (Liger-Kernel's backward, and this one until issue 40), few programs fit on a multiprocessor and each
+waits on every row's loads: too few bytes on their way for the memory to run at full speed (see
+``_backward_sizes``). The
 residual-add form's backward adds the gradient arriving at the sum output to the input gradient, and that total is
 the gradient of both ``x`` and ``residual``.
 
@@ -29,6 +33,7 @@ import triton
 import triton.language as tl
 
 from fabriclite.kernels._common import (
+    PROGRAMS_PER_MULTIPROCESSOR,
     cast,
     cdiv,
     launch,
@@ -107,52 +112,81 @@ def _norm_backward_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
+    # A tile is ROWS rows of the program's range; with PREFETCH the next tile's dy and x are loaded before this
+    # tile's sums, so that the loads of one tile are in flight while the previous one is reduced.
     program = tl.program_id(0).to(tl.int64)
     row_start = program * rows_per_program
-    # Counting i from 0 and adding it to the int64 start keeps row int64 in the interpreter too, where a loop
-    # variable from range(row_start, ...) is a Python int that becomes int32 in arithmetic.
-    rows_here = tl.minimum(rows_per_program, n_rows - row_start)
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    col_mask = cols < n_cols
+    tile = tl.arange(0, ROWS)
     if HAS_WEIGHT:
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dweight = tl.zeros((BLOCK,), dtype=tl.float32)
     dbias = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(0, rows_here):
-        row = row_start + i
+    if PREFETCH:
+        rows = row_start + tile
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
         # dy may be an expanded gradient (strides 0), hence both strides.
-        dy = tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(stats_ptr + row)
-        if RMS:
-            x_hat = x * rstd
+        next_dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0)
+        next_x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    # Counting from 0 and adding to the int64 start keeps rows int64 in the interpreter too, where a loop variable
+    # from range(row_start, ...) is a Python int that becomes int32 in arithmetic.
+    for offset in range(0, row_end - row_start, ROWS):
+        rows = row_start + offset + tile
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        if PREFETCH:
+            dy = next_dy.to(tl.float32)
+            x = next_x.to(tl.float32)
+            rows_after = rows + ROWS
+            mask_after = (rows_after < row_end)[:, None] & col_mask[None, :]
+            next_dy = tl.load(
+                dy_ptr + rows_after[:, None] * dy_row_stride + cols[None, :] * dy_col_stride,
+                mask=mask_after,
+                other=0.0,
+            )
+            next_x = tl.load(x_ptr + rows_after[:, None] * x_row_stride + cols[None, :], mask=mask_after, other=0.0)
         else:
-            x_hat = tl.where(mask, (x - tl.load(stats_ptr + n_rows + row)) * rstd, 0.0)
+            dy = tl.load(
+                dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride, mask=mask, other=0.0
+            ).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_DSUM:
+            dsum = tl.load(
+                dsum_ptr + rows[:, None] * dsum_row_stride + cols[None, :] * dsum_col_stride, mask=mask, other=0.0
+            )
+        rstd = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        if RMS:
+            x_hat = x * rstd  # masked columns and rows loaded as 0
+        else:
+            mean = tl.load(stats_ptr + n_rows + rows, mask=row_mask, other=0.0)[:, None]
+            x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
         if HAS_WEIGHT:
             w_dy = dy * weight
         else:
             w_dy = dy
         # dx = rstd * (w_dy - mean(w_dy) - x_hat * mean(w_dy * x_hat)); RMS norm has no mean(w_dy) term.
-        dx = w_dy - x_hat * (tl.sum(w_dy * x_hat, axis=0) / n_cols)
+        dx = w_dy - x_hat * (tl.sum(w_dy * x_hat, axis=1) / n_cols)[:, None]
         if not RMS:
-            dx -= tl.sum(w_dy, axis=0) / n_cols
+            dx -= (tl.sum(w_dy, axis=1) / n_cols)[:, None]
         dx *= rstd
         if HAS_DSUM:
-            dx += tl.load(dsum_ptr + row * dsum_row_stride + cols * dsum_col_stride, mask=mask, other=0.0).to(
-                tl.float32
-            )
-        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dx += dsum.to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * n_cols + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
-            dweight += dy * x_hat
+            dweight += tl.sum(dy * x_hat, axis=0)
         if HAS_BIAS:
-            dbias += dy
+            dbias += tl.sum(dy, axis=0)
     # partials: the weight's fp32 partial sums, one row per program, then the bias's.
     if HAS_WEIGHT:
-        tl.store(partials_ptr + program * n_cols + cols, dweight, mask=mask)
+        tl.store(partials_ptr + program * n_cols + cols, dweight, mask=col_mask)
         partials_ptr += tl.num_programs(0) * n_cols
     if HAS_BIAS:
-        tl.store(partials_ptr + program * n_cols + cols, dbias, mask=mask)
+        tl.store(partials_ptr + program * n_cols + cols, dbias, mask=col_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,6 +194,33 @@ def _launch_sizes(n_cols: int) -> tuple[int, int]:
     """(block, num_warps) for rows of ``n_cols``: depends on the width only, so it is worked out once per width."""
     block = row_block(n_cols)
     return block, num_warps(block)
+
+
+# The backward's launch plan. Register use decides it: ptxas for sm_90 (Triton's own, no GPU needed; issue 40) gives
+# the row loop at width 4096 109-118 registers a thread at 8 warps, so at most two of its 8-warp programs fit on a
+# multiprocessor, each waiting on every row's loads. Tiles of at least TILE_ELEMENTS (several narrow rows, one wide
+# row), ELEMENTS_PER_THREAD of them per thread, with the next tile loaded ahead, take 64-87 registers up to width
+# 2048 (3-8 programs of 4-8 warps fit), and at 4096 64-101 (two or one of 16 warps), with twice the bytes on their
+# way. Rows wider than PREFETCH_MAX_BLOCK take the row loop, whose registers they already fill.
+# ROW_LOOP_BACKWARD = True takes the row loop at every width: the design before tiles, which benchmarks/kernels.py
+# times side by side with them.
+TILE_ELEMENTS = 1024
+ELEMENTS_PER_THREAD = 8
+PREFETCH_MAX_BLOCK = 8192
+ROW_LOOP_BACKWARD = False
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_sizes(n_cols: int, row_loop: bool) -> tuple[int, int, int, bool, int]:
+    """(block, rows per tile, num_warps, prefetch, programs per multiprocessor) of the backward for rows of
+    ``n_cols``, worked out once per width. Programs beyond what fits on a multiprocessor wait their turn, so the
+    count asks for as many as the threads allow (at most 8); the registers decide how many run at once."""
+    block = row_block(n_cols)
+    if row_loop or block > PREFETCH_MAX_BLOCK:
+        return block, 1, num_warps(block), False, PROGRAMS_PER_MULTIPROCESSOR
+    rows = max(1, TILE_ELEMENTS // block)
+    warps = min(16, max(4, rows * block // (32 * ELEMENTS_PER_THREAD)))
+    return block, rows, warps, True, min(8, 64 // warps)
 
 
 def _forward(
@@ -227,7 +288,7 @@ def _backward(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Returns (dx, dweight, dbias): dx shaped like x and including ``dsum``; dweight in the weight's dtype and
     shape, dbias (fp32, shaped like the weight or the rows) None when there is no weight or no bias."""
-    block, warps = _launch_sizes(n_cols)
+    block, tile_rows, warps, prefetch, per_multiprocessor = _backward_sizes(n_cols, ROW_LOOP_BACKWARD)
     n_rows = x.numel() // n_cols
     x_rows, x_stride, _ = rows_and_strides(x, n_cols, unit_col_stride=True)
     # dy may be an expanded gradient (strides 0), hence both strides.
@@ -239,10 +300,14 @@ def _backward(
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if weight is not None and not weight.is_contiguous():
         weight = weight.contiguous()
-    programs = reduction_programs(x.device, n_rows)
+    # Whole tiles per program, and no program without rows.
+    rows_per_program = tile_rows * cdiv(n_rows, tile_rows * reduction_programs(x.device, n_rows, per_multiprocessor))
+    programs = cdiv(n_rows, rows_per_program) if n_rows else 1
     # The weight's and the bias's fp32 partials, one row per program, in one buffer.
     n_partials = (weight is not None) + has_bias
-    partials = torch.empty((n_partials, programs, n_cols), dtype=torch.float32, device=x.device) if n_partials else dx
+    # No rows, no launch: the partials must then be zeros (a sum of nothing), not whatever the memory held.
+    allocate = torch.empty if n_rows else torch.zeros
+    partials = allocate((n_partials, programs, n_cols), dtype=torch.float32, device=x.device) if n_partials else dx
     if n_rows > 0:
         launch(
             _norm_backward_kernel,
@@ -261,12 +326,14 @@ def _backward(
             partials,
             n_rows,
             n_cols,
-            cdiv(n_rows, programs),
+            rows_per_program,
             RMS=rms,
             HAS_DSUM=dsum is not None,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=has_bias,
             BLOCK=block,
+            ROWS=tile_rows,
+            PREFETCH=prefetch,
             num_warps=warps,
         )
     if not n_partials:

@@ -28,27 +28,35 @@ Semantics otherwise are those of ``fabriclite.kernels.cross_entropy``: no class 
 0 to the loss and get no gradient, ``"mean"`` divides by the number of rows not ignored, targets are not checked.
 
 Cut Cross-Entropy (Wijmans et al., 2024) goes further and never writes even a chunk's logits to memory.
+
+The other design, ``GRADIENT_IN_FORWARD`` (issue 40; off until a GPU run shows it faster): chunks of rows (tokens)
+instead of vocabulary columns, as Liger-Kernel's fused linear cross-entropy does. A chunk's (rows, V) logits hold
+whole rows, so one matmul makes them, the kernels turn them into the loss and then into their gradient in place, and
+two matmuls make the chunk's rows of hidden's gradient and add its share to the weight's: three logits-sized matmuls
+as in eager, all in the forward; the backward only scales the gradients by the loss's gradient. The price: the
+weight's gradient is accumulated chunk by chunk (rounded once per chunk in a bf16 weight's dtype), the whole weight
+is cast to hidden's dtype at once when they differ, and the forward computes gradients whenever one will be needed
+(eager calls with grad enabled, "mean" and "sum" only), once: a second backward through the same graph is refused.
+Chunks of about ``2 x N x H / V`` rows keep the peak memory where the vocabulary chunks and their fp32 accumulator
+have it.
 """
 
-import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from fabriclite.kernels import fused_cross_entropy
-from fabriclite.kernels._common import as_rows, cast, cdiv, check_dtypes, launch, library_op, num_warps
-from fabriclite.kernels._linear_cross_entropy_kernels import (
-    _linear_cross_entropy_backward_kernel,
-    _linear_cross_entropy_forward_kernel,
-)
+from fabriclite.kernels._common import as_rows, cast, check_dtypes, library_op
+from fabriclite.kernels._linear_cross_entropy_kernels import fold, overwrite_with_gradient
 
 _REDUCTIONS = ("mean", "sum", "none")
-# The widest slice of a chunk's row one program reads at a time.
-MAX_BLOCK = 4096
 # Vocabulary columns per chunk; None picks _chunk_cols(). Tests lower it to run many chunks on small shapes.
 CHUNK_COLS: Optional[int] = None
+# The row-chunk design (see above); benchmarks/kernels.py times it next to the vocabulary chunks. CHUNK_ROWS: rows
+# per chunk there, None picks _chunk_rows().
+GRADIENT_IN_FORWARD = False
+CHUNK_ROWS: Optional[int] = None
 
 
 def _chunk_cols(n_rows: int, hidden_size: int, vocab_size: int) -> int:
@@ -60,13 +68,13 @@ def _chunk_cols(n_rows: int, hidden_size: int, vocab_size: int) -> int:
     return min(vocab_size, max(256, cols // 256 * 256))
 
 
-@functools.lru_cache(maxsize=None)
-def _block(n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK, BLOCK_M, num_warps): a program sweeps BLOCK_M rows of a chunk BLOCK columns at a time, about
-    MAX_BLOCK elements a step (one row a program for the wide chunks of an LLM, many for narrow ones)."""
-    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
-    block_m = max(1, MAX_BLOCK // block)
-    return block, block_m, num_warps(block * block_m)
+def _chunk_rows(n_rows: int, hidden_size: int, vocab_size: int) -> int:
+    """Rows whose (rows, V) logits take about 2 x N x H elements, what the vocabulary design's chunk and fp32
+    accumulator of hidden's gradient take together; a multiple of 64 rows, at least 64 (or all of them)."""
+    if CHUNK_ROWS is not None:
+        return CHUNK_ROWS
+    rows = 2 * n_rows * hidden_size // max(vocab_size, 1)
+    return max(1, min(n_rows, max(64, rows // 64 * 64)))
 
 
 def _chunks(n_rows: int, hidden_size: int, vocab_size: int) -> list[tuple[int, int]]:
@@ -80,10 +88,6 @@ def _chunk_logits(hidden, weight, bias, start: int, end: int) -> tuple[torch.Ten
     chunk_weight = cast(weight[start:end], hidden.dtype)
     chunk_bias = cast(bias[start:end], hidden.dtype) if bias is not None else None
     return F.linear(hidden, chunk_weight, chunk_bias), chunk_weight
-
-
-def _flags(label_smoothing: float, softcap: Optional[float], z_loss: float) -> dict:
-    return {"SMOOTHING": label_smoothing > 0.0, "SOFTCAP": softcap is not None, "Z_LOSS": z_loss > 0.0}
 
 
 def _forward(
@@ -106,47 +110,87 @@ def _forward(
     state = torch.empty(5 * n_rows, dtype=torch.float32, device=hidden.device)
     row_loss = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
     chunks = _chunks(n_rows, hidden_size, vocab_size)
+    options = (ignore_index, label_smoothing, softcap, z_loss)
     for index, (start, end) in enumerate(chunks):
         if n_rows == 0:
             break
         logits, _ = _chunk_logits(hidden, weight, bias, start, end)
-        block, block_m, warps = _block(end - start)
-        launch(
-            _linear_cross_entropy_forward_kernel,
-            (cdiv(n_rows, block_m),),
-            logits,
-            logits.stride(0),
-            target,
-            state,
-            row_loss,
-            n_rows,
-            end - start,
-            start,
-            vocab_size,
-            ignore_index,
-            label_smoothing,
-            softcap if softcap is not None else 1.0,
-            z_loss,
-            FIRST=index == 0,
-            LAST=index == len(chunks) - 1,
-            BLOCK=block,
-            BLOCK_M=block_m,
-            num_warps=warps,
-            **_flags(label_smoothing, softcap, z_loss),
-        )
+        fold(logits, target, state, row_loss, start, vocab_size, options, index == 0, index == len(chunks) - 1)
         del logits  # before the next chunk's: one chunk of logits at a time
     n_valid = (target != ignore_index).sum() if reduction == "mean" else row_loss.new_empty(0)
     return fused_cross_entropy.reduce(row_loss, n_valid, reduction, hidden.dtype), state, n_valid
 
 
 def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_out: bool) -> None:
-    """``accumulator += a @ b`` with an fp32 accumulator and a, b in the compute dtype."""
+    """``accumulator += a @ b`` with an fp32 or compute-dtype accumulator and a, b in the compute dtype."""
     if a.dtype == accumulator.dtype:
         accumulator.addmm_(a, b)
     elif fp32_out:  # Ampere and newer: the GEMM accumulates into the fp32 tensor directly
         torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
     else:  # one (N, H) temporary in the compute dtype, rounded once per chunk
         accumulator.add_(a @ b)
+
+
+def _fp32_out(device: torch.device) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` adds a bf16/fp16 product into an fp32 tensor directly:
+    CUDA-only, Ampere and newer, and newer than our oldest supported torch."""
+    return (
+        device.type == "cuda"
+        and hasattr(torch.ops.aten.addmm, "dtype_out")
+        and torch.cuda.get_device_capability(device)[0] >= 8
+    )
+
+
+def _forward_and_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    softcap: Optional[float],
+    z_loss: float,
+    needs_grad: list[bool],
+) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], ...]]:
+    """The row-chunk design: (loss, (grad_hidden, grad_weight, grad_bias)), the gradients those of a loss whose
+    gradient is 1 (None where ``needs_grad`` does not ask). "mean" and "sum" only."""
+    n_rows, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    device, dtype = hidden.device, hidden.dtype
+    want_hidden, want_weight, want_bias = needs_grad
+    want_bias = want_bias and bias is not None
+    if not target.is_contiguous():
+        target = target.contiguous()
+    mean = reduction == "mean"
+    row_loss = torch.zeros(n_rows, dtype=torch.float32, device=device)
+    n_valid = (target != ignore_index).sum() if mean else row_loss.new_empty(0)
+    one = torch.ones((), dtype=torch.float32, device=device)  # the loss's gradient, applied in the backward
+    compute_weight = cast(weight, dtype)
+    compute_bias = cast(bias, dtype) if bias is not None else None
+    grad_hidden = torch.empty((n_rows, hidden_size), dtype=dtype, device=device) if want_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=device) if want_weight else None
+    grad_bias = torch.zeros(vocab_size, dtype=torch.float32, device=device) if want_bias else None
+    options = (ignore_index, label_smoothing, softcap, z_loss)
+    fp32_out = _fp32_out(device)
+    step = _chunk_rows(n_rows, hidden_size, vocab_size)
+    for start in range(0, n_rows, step):
+        end = min(start + step, n_rows)
+        rows, chunk_hidden, chunk_target = end - start, hidden[start:end], target[start:end]
+        logits = F.linear(chunk_hidden, compute_weight, compute_bias)  # whole rows: one chunk of the vocabulary
+        state = torch.empty(5 * rows, dtype=torch.float32, device=device)
+        fold(logits, chunk_target, state, row_loss[start:end], 0, vocab_size, options, True, True)
+        overwrite_with_gradient(logits, chunk_target, state, one, 0, n_valid, 0, vocab_size, options)
+        grad_logits = logits
+        if want_hidden:
+            torch.mm(grad_logits, compute_weight, out=grad_hidden[start:end])
+        if want_weight:  # rounded once per chunk in the weight's dtype
+            _add_matmul(grad_weight, grad_logits.t(), chunk_hidden, fp32_out)
+        if want_bias:
+            grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
+        del logits, grad_logits
+    loss = fused_cross_entropy.reduce(row_loss, n_valid, reduction, dtype)
+    return loss, (grad_hidden, grad_weight, cast(grad_bias, bias.dtype) if grad_bias is not None else None)
 
 
 def _backward(
@@ -175,42 +219,15 @@ def _backward(
     # (N,) for "none", () otherwise; an expanded (N,) gradient keeps its stride 0.
     grad_output = as_rows(grad_loss, 1) if grad_loss.dim() else grad_loss
     grad_output_stride = grad_output.stride(0) if grad_output.dim() else 0
-    mean = n_valid.numel() > 0
     grad_hidden = torch.zeros((n_rows, hidden_size), dtype=torch.float32, device=device) if want_hidden else None
     grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if want_weight else None
     grad_bias = torch.empty(vocab_size, dtype=bias.dtype, device=device) if want_bias else None
-    # torch.addmm(..., out_dtype=) is CUDA-only and newer than our oldest supported torch.
-    fp32_out = (
-        device.type == "cuda"
-        and hasattr(torch.ops.aten.addmm, "dtype_out")
-        and torch.cuda.get_device_capability(device)[0] >= 8
-    )
+    fp32_out = _fp32_out(device)
+    options = (ignore_index, label_smoothing, softcap, z_loss)
     for start, end in _chunks(n_rows, hidden_size, vocab_size) if (n_rows and any(needs_grad)) else ():
         logits, chunk_weight = _chunk_logits(hidden, weight, bias, start, end)
-        block, block_m, warps = _block(end - start)
-        launch(
-            _linear_cross_entropy_backward_kernel,
-            (cdiv(n_rows, block_m),),
-            logits,
-            logits.stride(0),
-            target,
-            state,
-            grad_output,
-            grad_output_stride,
-            n_valid if mean else state,
-            n_rows,
-            end - start,
-            start,
-            vocab_size,
-            ignore_index,
-            label_smoothing,
-            softcap if softcap is not None else 1.0,
-            z_loss,
-            MEAN=mean,
-            BLOCK=block,
-            BLOCK_M=block_m,
-            num_warps=warps,
-            **_flags(label_smoothing, softcap, z_loss),
+        overwrite_with_gradient(
+            logits, target, state, grad_output, grad_output_stride, n_valid, start, vocab_size, options
         )
         grad_logits = logits
         if want_weight:  # all N tokens summed inside one matmul: rounded once, in the weight's dtype
@@ -236,10 +253,14 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     """Eager calls: the chunks run directly, without the custom op's dispatch."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss):
-        loss, state, n_valid = _forward(
-            hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss
-        )
+    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss, grads):
+        arguments = (hidden, weight, target, bias, ignore_index, label_smoothing, reduction, softcap, z_loss)
+        ctx.gradients, ctx.row_chunks = None, grads
+        if grads:  # the row-chunk design: the gradients now, scaled in the backward
+            needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
+            loss, ctx.gradients = _forward_and_gradients(*arguments, needs)
+            return loss
+        loss, state, n_valid = _forward(*arguments)
         ctx.save_for_backward(hidden, weight, target, bias, state, n_valid)
         ctx.config = (ignore_index, label_smoothing, softcap, z_loss)
         return loss
@@ -247,12 +268,22 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
+        if ctx.row_chunks:
+            if ctx.gradients is None:
+                raise RuntimeError(
+                    "linear_cross_entropy with fused_linear_cross_entropy.GRADIENT_IN_FORWARD makes its gradients "
+                    "once, in the forward, and hands them to the first backward; a second backward through the same "
+                    "graph (retain_graph=True) needs GRADIENT_IN_FORWARD = False."
+                )
+            gradients, ctx.gradients = ctx.gradients, None  # scaled in place and handed over: no second copy
+            grad_hidden, grad_weight, grad_bias = (g.mul_(grad_loss) if g is not None else None for g in gradients)
+            return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
         hidden, weight, target, bias, state, n_valid = ctx.saved_tensors
         needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]]
         grad_hidden, grad_weight, grad_bias = _backward(
             grad_loss, hidden, weight, target, bias, state, n_valid, *ctx.config, needs
         )
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------- traced: torch.library registration
@@ -389,7 +420,13 @@ def linear_cross_entropy(
     )
     if torch.compiler.is_compiling():
         return torch.ops.fabriclite.linear_cross_entropy(*arguments)[0]
-    return _LinearCrossEntropyFunction.apply(*arguments)
+    grads = (
+        GRADIENT_IN_FORWARD
+        and reduction != "none"
+        and torch.is_grad_enabled()
+        and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    )
+    return _LinearCrossEntropyFunction.apply(*arguments, grads)
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):

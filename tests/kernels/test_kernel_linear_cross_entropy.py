@@ -161,6 +161,77 @@ def test_chunks_hold_about_as_many_logits_as_there_are_hidden_values(monkeypatch
     assert chunk_cols(N, H, V) == V  # a small vocabulary: one chunk
 
 
+# The row-chunk design (GRADIENT_IN_FORWARD): the tests' chunks are 16, 16 and 5 rows.
+CHUNK_ROWS = 16
+
+
+@pytest.fixture
+def row_chunks(monkeypatch):
+    monkeypatch.setattr(fused_linear_cross_entropy, "GRADIENT_IN_FORWARD", True)
+    monkeypatch.setattr(fused_linear_cross_entropy, "CHUNK_ROWS", CHUNK_ROWS)
+
+
+def _launches() -> tuple[int, int]:
+    return _common.LAUNCHES[KERNEL], _common.LAUNCHES[BACKWARD]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_row_chunks_make_the_gradients_in_the_forward_and_match_torch(row_chunks, reduction, bias, dtype):
+    (hidden, _), (weight, _), (bias_leaf, _), target = _inputs(dtype, bias=bias)
+    before = _launches()
+    loss = linear_cross_entropy(hidden, weight, target, bias_leaf, reduction=reduction)
+    chunks = -(-N // CHUNK_ROWS)
+    assert tuple(a - b for a, b in zip(_launches(), before)) == (chunks, chunks), "both kernels, once a chunk"
+    loss.backward(_upstream(reduction, dtype))
+    assert tuple(a - b for a, b in zip(_launches(), before)) == (chunks, chunks), "the backward launches nothing"
+
+    _, grad_hidden, *_ = _compare(dtype, bias=bias, reduction=reduction)
+    assert torch.all(grad_hidden[list(IGNORED)] == 0), "ignored rows must get a zero gradient"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(("softcap", "z_loss"), [(None, 0.0), (4.0, 1e-2)], ids=["smoothing", "all options"])
+def test_row_chunks_with_label_smoothing_softcap_and_z_loss_match_the_plain_torch_formula(
+    row_chunks, softcap, z_loss, reduction
+):
+    _compare(torch.float32, ignore_index=7, seed=2, reduction=reduction, label_smoothing=0.1, softcap=softcap,
+             z_loss=z_loss)  # fmt: skip
+
+
+def test_row_chunks_leave_reduction_none_and_calls_without_grad_to_the_vocabulary_chunks(row_chunks):
+    (hidden, _), (weight, _), (bias, _), target = _inputs(torch.float32)
+    before = _launches()
+    with torch.no_grad():
+        linear_cross_entropy(hidden, weight, target, bias)
+    vocabulary_chunks = -(-V // CHUNK)
+    assert tuple(a - b for a, b in zip(_launches(), before)) == (vocabulary_chunks, 0), "no gradient without grad"
+    loss, grad_hidden, *_ = _compare(torch.float32, reduction="none")  # a per-row gradient: the vocabulary chunks
+    assert torch.all(loss[list(IGNORED)] == 0) and torch.all(grad_hidden[list(IGNORED)] == 0)
+
+
+def test_row_chunks_refuse_a_second_backward_through_the_same_graph_saying_what_works(row_chunks):
+    (hidden, _), (weight, _), _, target = _inputs(torch.float32, bias=False)
+    loss = linear_cross_entropy(hidden, weight, target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="GRADIENT_IN_FORWARD = False"):
+        loss.backward()
+
+
+def test_row_chunks_keep_fp32_gradients_for_fp32_master_weights(row_chunks):
+    test_fp32_master_weights_with_bf16_hidden_states_compute_in_bf16_and_keep_fp32_gradients("mean")
+
+
+def test_row_chunks_hold_about_twice_as_many_logits_as_there_are_hidden_values(monkeypatch):
+    monkeypatch.setattr(fused_linear_cross_entropy, "CHUNK_ROWS", None)
+    chunk_rows = fused_linear_cross_entropy._chunk_rows
+    assert chunk_rows(8192, 4096, 128256) == 512  # Llama-3-8B: 512 x 128256 logits, about 2 x 8192 x 4096
+    assert chunk_rows(8192, 768, 50257) == 192
+    assert chunk_rows(100, 4096, 128256) == 64  # never fewer than 64 rows, never more than there are
+    assert chunk_rows(N, H, V) == N
+
+
 class _LargestTensor(TorchDispatchMode):
     """Records the most bytes any tensor made by a torch op inside it holds (bytes, not elements: Triton's
     interpreter copies a kernel's arguments to and from byte tensors)."""
