@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable
 
 from fabriclite.processes import signals
+from fabriclite.processes.failures import how_it_ended
 from fabriclite.plugins.environments import free_port
 from fabriclite.processes.supervisor import (  # what every way of starting processes shares
     _ENDED,
@@ -40,7 +41,6 @@ from fabriclite.processes.supervisor import (  # what every way of starting proc
     _die_with_parent,
     _exit_code,
     _rank_env,
-    how_it_ended,
     max_restarts,
 )
 
