@@ -221,8 +221,25 @@ def test_the_docs_script_preempted_by_sigterm_exits_75_and_resumes_bit_identical
     assert len(step) == 1, output[-3000:]
     again = run_python(*command, str(tmp_path / "run"), timeout=TIMEOUT).stdout
     assert f"resumed from checkpoints/step-{int(step[0]):06d}.ckpt at step {step[0]}" in again, again[-3000:]
-    assert_same_weights(torch.load(tmp_path / "ref" / "final.pt"), tmp_path / "run" / "final.pt")
+    expected, actual = (torch.load(tmp_path / name / "final.ckpt")["model"] for name in ("ref", "run"))
+    assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
     assert len(list((tmp_path / "run" / "checkpoints").iterdir())) == 3  # keep_last=3
+
+
+def test_the_docs_script_under_fsdp_writes_full_checkpoints_with_state_dict_type_full(tmp_path):
+    command = [
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp",
+        "--state-dict-type", "full", docs_script(tmp_path), str(tmp_path),
+    ]  # fmt: skip
+    output = run_python(*command, timeout=TIMEOUT).stdout
+    assert "done after 256 steps" in output, output[-3000:]
+    checkpoints = sorted((tmp_path / "checkpoints").iterdir())
+    assert [path.name for path in checkpoints] == ["step-000200.ckpt", "step-000220.ckpt", "step-000240.ckpt"]
+    assert all(path.is_file() for path in [*checkpoints, tmp_path / "final.ckpt"])  # one file each, not a folder
+    weights = torch.load(tmp_path / "final.ckpt")["model"]  # plain, whole tensors: no DTensor, no process group
+    shapes = {name: list(tensor.shape) for name, tensor in weights.items()}
+    assert shapes == {"0.weight": [32, 8], "0.bias": [32], "2.weight": [4, 32], "2.bias": [4]}
+    assert all(type(tensor) is torch.Tensor for tensor in weights.values())
 
 
 def test_a_failure_that_repeats_at_the_same_step_is_not_restarted_again_and_the_first_rank_to_fail_is_named(
