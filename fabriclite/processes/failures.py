@@ -67,15 +67,17 @@ def record(progress: Callable[[], int]) -> None:
     """Write the exception that ends this process to ``FAILURE_FILE_ENV``'s file, with ``progress()`` (the number of
     the run's last checkpoint), if a supervisor asked for it. Once per process; a later call only replaces
     ``progress``. Usage: at ``Fabric`` creation."""
-    if not os.environ.get(FAILURE_FILE_ENV):
-        return
     if not _progress:
+        # Taken out of the environment: a process this one starts (a script of its own) must not write here.
+        path = os.environ.pop(FAILURE_FILE_ENV, "")
+        if not path:
+            return
         previous = sys.excepthook
 
         def write_then_report(kind: type, error: BaseException, traceback: Any) -> None:
             try:
                 progress = _progress[-1]()
-                _write(os.environ[FAILURE_FILE_ENV], kind, error, progress() if progress is not None else 0)
+                _write(path, kind, error, progress() if progress is not None else 0)
             except Exception:  # the report of the failure must never hide the failure itself
                 pass
             previous(kind, error, traceback)
