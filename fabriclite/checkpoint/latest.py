@@ -108,6 +108,9 @@ class _Placeholder(dict):
     def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
+    def __setstate__(self, state: object) -> None:  # any state (a NumPy array's is a tuple): not needed
+        pass
+
 
 class _StructureOnly(pickle.Unpickler):
     # Imports nothing and reads no tensor: every global is a placeholder, so no code of the file can run.
@@ -195,7 +198,8 @@ def newest_complete(
 ) -> Path | None:
     """The newest complete checkpoint in ``folder`` (of the run ``run``, if it has any there; holding every key of
     ``keys``), or None (no folder, or no such checkpoint in it); every newer one that fails verification is named
-    on stderr and set aside (``set_aside``), so the run can go on. Usage: ``path = newest_complete("ckpts", keys=state)``."""
+    on stderr and set aside (``set_aside``), so the run can go on.
+    Usage: ``path = newest_complete("checkpoints", keys=state)``."""
     for path, _ in candidates(check_folder(folder), run=run, keys=keys, weights_only=weights_only):
         error = problem(path)
         if error is None:

@@ -3,13 +3,14 @@ failed first, and whether a failure is the last attempt's over again (as torchel
 each worker writes, and names the earliest failure the root cause).
 
 - **The rank** (``record``, at ``Fabric`` creation): when ``FAILURE_FILE_ENV`` names a file, an exception that ends
-  the process is written there before Python prints it: its type and message, when it was raised, and the number of
-  the run's last checkpoint this process saved or loaded (its progress). Nothing else changes.
+  the process is written there before Python prints it: its type and message, the time, and the number of the
+  run's last checkpoint this process saved or loaded (its progress). Nothing else changes.
 - **The supervisor** (``read``, ``first``, ``repeats``): a rank killed by a signal failed first (its siblings' errors
   follow from it), then one that exited without a record (``sys.exit``, or before its ``Fabric`` existed), then the
   earliest recorded exception: a rank whose peer died fails in the collective it was in, moments after the peer
-  raised. A failure repeats when the same rank (or, in the last attempt, another that failed with it) raises the
-  same exception, with the same message, from the same checkpoint: restarting would only do it again.
+  raised. A failure repeats when the rank named had failed in the last attempt too (named then or not: when every
+  rank raises it, which one comes first may change) with the same exception and message, from the same checkpoint:
+  restarting would only do it again.
 
 Usage: ``record(checkpointer.last_sequence)`` in a rank; ``first([read(path, rank, code), ...])`` in the
 supervisor.
