@@ -45,8 +45,11 @@ class Failure(NamedTuple):
     def describe(self, node: int | None = None) -> str:
         """In words: "rank 1 exited with code 1 (ValueError: bad batch)", "rank 9 on node 1 was killed by SIGKILL"."""
         where = "" if node is None else f" on node {node}"
-        error = f" ({self.error.splitlines()[0][:300]})" if self.error else ""
-        return f"rank {self.rank}{where} {how_it_ended(self.code)}{error}"
+        return f"rank {self.rank}{where} {how_it_ended(self.code)}{self.headline()}"
+
+    def headline(self) -> str:
+        """The first line of the exception recorded, as " (ValueError: bad batch)", or "" without one."""
+        return f" ({self.error.splitlines()[0][:300]})" if self.error else ""
 
 
 def how_it_ended(returncode: int) -> str:
