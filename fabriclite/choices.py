@@ -153,6 +153,44 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+# A strategy setting the CLI may set too (``--state-dict-type``): the checkpoint format of the sharding strategies,
+# by Lightning's argument name. The strategy's own default ("sharded") takes the CLI's value; another value conflicts.
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+def parse_state_dict_type(value: Any) -> str:
+    """Return "sharded" or "full", the checkpoint formats of FSDP and model parallelism (Lightning's
+    ``state_dict_type``). Usage: ``parse_state_dict_type("Full") == "full"``."""
+    if not isinstance(value, str) or value.lower() not in STATE_DICT_TYPES:
+        raise invalid_choice("state_dict_type", value, STATE_DICT_TYPES)
+    return value.lower()
+
+
+def apply_cli_state_dict_type(strategy: Any) -> None:
+    """Give ``strategy`` the checkpoint format ``fabriclite run --state-dict-type`` set, if any: a strategy at its
+    default ("sharded") takes it; one given another, or one that only writes full checkpoints asked for "sharded",
+    raises a ``ValueError`` naming both. Usage: ``apply_cli_state_dict_type(strategy)`` once it is built."""
+    text = os.environ.get(env_name("state_dict_type"))
+    if text is None:
+        return
+    from_cli = parse_state_dict_type(text)
+    current = getattr(strategy, "state_dict_type", None)
+    if current is None and from_cli == "sharded":
+        raise ValueError(
+            f"`fabriclite run --state-dict-type sharded` needs a strategy that shards the model (fsdp, or "
+            f"ModelParallelStrategy); {type(strategy).__name__} writes full checkpoints only. Remove the option, or "
+            "run with --strategy fsdp."
+        )
+    if current in (None, "sharded"):
+        if current is not None:
+            strategy.state_dict_type = from_cli
+    elif current != from_cli:
+        raise ValueError(
+            f"state_dict_type={current!r} of {type(strategy).__name__} conflicts with `fabriclite run "
+            f"--state-dict-type {text}`; remove one of them."
+        )
+
+
 def env_name(key: str) -> str:
     """The environment variable carrying one setting. Usage: ``env_name("num_nodes") == "FABRICLITE_CLI_NUM_NODES"``."""
     return ENV_PREFIX + key.upper()

@@ -33,20 +33,24 @@ RUN_SETTINGS: dict[str, str] = {
     "nodes, node 0's `fabriclite run` listens on it; the processes meet on a fresh port for every (re)start.",
     "precision": "Precision for the script's Fabric(), e.g. 32-true, bf16-mixed, 16-mixed, bf16-true "
     "(default: Fabric's own, 32-true).",
+    "state_dict_type": "Checkpoint format under --strategy fsdp (or a ModelParallelStrategy): sharded, a folder "
+    "every process writes its shards into, or full, one consolidated file (FSDPStrategy's state_dict_type; "
+    "default: the strategy's own, sharded).",
     "max_restarts": "How often every process is started again after one died, before giving up (default: 0). The "
     "script resumes with fabric.load_latest(folder, state).",
     "node_timeout": "Seconds a node's `fabriclite run` may stay silent before the other nodes take it for lost and "
     "stop the run (default: 60; only with --num-nodes > 1).",
 }
 _INT_SETTINGS = ("num_nodes", "node_rank", "main_port", "max_restarts", "node_timeout")
-_STR_SETTINGS = ("accelerator", "strategy", "main_address")
+_STR_SETTINGS = ("accelerator", "strategy", "main_address", "state_dict_type")
 _DEFAULT_MULTI_NODE_PORT = 29500
 
 _RUN_EPILOG = """\
 Settings come from --config FILE.yaml (the same names with underscores, e.g. `num_nodes: 2`), overridden by
-the flags. accelerator, strategy, devices, num_nodes and precision reach the script's Fabric() through
-FABRICLITE_CLI_* environment variables: a Fabric argument left at its default takes the CLI's value, the same
-value spelled differently is accepted, and a different value raises an error naming both.
+the flags. accelerator, strategy, devices, num_nodes, precision and state_dict_type reach the script's Fabric()
+through FABRICLITE_CLI_* environment variables: a Fabric argument (or the strategy's state_dict_type) left at its
+default takes the CLI's value, the same value spelled differently is accepted, and a different value raises an
+error naming both.
 
 Options go before the script; everything after the script is passed to it unchanged.
 
@@ -61,6 +65,7 @@ exited, `fabriclite run` exits with 75 ("preempted, resumable"), or requeues the
 Examples:
   fabriclite run --accelerator cpu --devices 2 train.py --lr 0.1
   fabriclite run --config run.yaml --precision bf16-mixed train.py
+  fabriclite run --devices 8 --strategy fsdp --state-dict-type full train.py
   # two machines; on the second one, --node-rank 1:
   fabriclite run --num-nodes 2 --node-rank 0 --devices 8 --main-address 10.0.0.1 train.py
 """
@@ -147,6 +152,8 @@ def check_setting(key: str, value: Any) -> Any:
         return parse_strategy(value)
     if key in choices.PARSERS:
         return choices.PARSERS[key](value)
+    if key == "state_dict_type":
+        return choices.parse_state_dict_type(value)
     if key == "main_address" and not value.strip():
         raise ValueError(f"main_address={value!r} must name the main node, e.g. 10.0.0.1 or node01.")
     if key == "main_port" and not 0 < value < 65536:
@@ -210,7 +217,7 @@ def fabric_environment(settings: dict[str, Any]) -> dict[str, str]:
     Usage: ``fabric_environment({"devices": [0, 1]}) == {"FABRICLITE_CLI_DEVICES": "0,1"}``.
     """
     env = {}
-    for key in FABRIC_DEFAULTS:
+    for key in (*FABRIC_DEFAULTS, "state_dict_type"):
         if key not in settings:
             continue
         value = settings[key]

@@ -15,10 +15,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from fabriclite import checkpoint, choices
-from fabriclite.processes import preemption, signals
+from fabriclite.processes import failures, preemption, signals
 from fabriclite._legacy import LegacyAPI
-from fabriclite._collections import apply_to_collection, as_list, convert_to_tensors, move_to_device
-from fabriclite._collections import convert_tensors_to_scalars
+from fabriclite._collections import apply_to_collection, as_list, convert_tensors_to_scalars, convert_to_tensors
+from fabriclite._collections import move_to_device
 from fabriclite.accelerators import Accelerator, select_accelerator
 from fabriclite.callbacks import call_hook
 from fabriclite.collectives import check_reduce_op
@@ -93,6 +93,7 @@ class Fabric(LegacyAPI):
         self._compile_watches: list[CompileWatch] = []
         signals.install(self._strategy.global_rank)  # from now on SIGTERM and SIGUSR1 are noted, not fatal
         self._checkpointer = checkpoint.Checkpointer()  # asynchronous saves: staged at the call, written after
+        failures.record(self._checkpointer.last_sequence)  # an exception that ends this rank tells its supervisor
         self._callbacks = as_list(callbacks)
         self._loggers = as_list(loggers)
         # With a loss scaler, backward scales the loss and only a wrapped optimizer unscales it: refuse until then.
@@ -144,10 +145,7 @@ class Fabric(LegacyAPI):
 
     loggers = property(lambda self: self._loggers, doc="The loggers passed to ``Fabric(loggers=...)`` (a list).")
 
-    @property
-    def logger(self) -> Any:
-        """The first logger passed to ``Fabric(loggers=...)``, or None."""
-        return self._loggers[0] if self._loggers else None
+    logger = property(lambda self: (self._loggers or [None])[0], doc="The first of ``Fabric(loggers=...)``, or None.")
 
     # ------------------------------------------------------------------ launching and setup
     def launch(self, function: Callable[..., Any] = do_nothing, *args: Any, **kwargs: Any) -> Any:

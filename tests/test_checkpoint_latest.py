@@ -101,20 +101,67 @@ def test_a_resumed_run_goes_on_with_its_series_and_keep_last_removes_its_older_c
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])
-def test_a_damaged_newer_checkpoint_is_skipped_with_a_warning(fabric, tmp_path, capfd, damage):
-    save_steps(fabric, tmp_path, [1, 2])
+def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_one_before_resumed(fabric, tmp_path, capfd, damage):
+    save_steps(fabric, tmp_path, [1, 2, 3])
     bad = tmp_path / "step-3.ckpt"
-    data = bytearray((tmp_path / "step-2.ckpt").read_bytes())
-    if damage == "truncated":
+    data = bytearray(bad.read_bytes())
+    if damage == "truncated":  # cut while copying: the zip directory at the end is gone
         data = data[: len(data) // 2]
     else:
         data[len(data) // 3] ^= 0xFF  # inside a record: only its checksum shows it
     bad.write_bytes(bytes(data))
-    state = {"step": 0}
+    state = {"step": 0, "weight": None}
     assert fabric.load_latest(tmp_path, state) == tmp_path / "step-2.ckpt"
     assert state["step"] == 2
-    if damage == "corrupt":  # a truncated zip is no checkpoint at all, so it is never even considered
-        assert "load_latest skips" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert f"fabriclite: load_latest: {str(bad)!r} is damaged, set aside as 'step-3.ckpt.damaged': " in err, err
+    assert ("truncated" if damage == "truncated" else "corrupt") in err
+    assert (tmp_path / "step-3.ckpt.damaged").read_bytes() == bytes(data)  # renamed, never deleted
+    save_steps(fabric, tmp_path, [3], keep_last=2)  # the run goes on and saves under that name again
+    assert names(tmp_path) == ["step-2.ckpt", "step-3.ckpt", "step-3.ckpt.damaged"]
+    assert fabric.load_latest(tmp_path, state) == bad and capfd.readouterr().err == ""
+
+
+def test_a_damaged_checkpoint_set_aside_twice_keeps_both_copies(fabric, tmp_path, capfd):
+    for _ in range(2):
+        save_steps(fabric, tmp_path, [1, 2])
+        data = (tmp_path / "step-2.ckpt").read_bytes()
+        (tmp_path / "step-2.ckpt").write_bytes(data[: len(data) // 2])
+        assert fabric.load_latest(tmp_path, {"step": 0, "weight": None}) == tmp_path / "step-1.ckpt"
+    assert names(tmp_path) == ["step-1.ckpt", "step-2.ckpt.damaged", "step-2.ckpt.damaged-2"]
+
+
+def test_a_cut_file_that_fabric_save_did_not_write_is_left_alone(fabric, tmp_path):
+    save_steps(fabric, tmp_path, [1])
+    torch.save({"weights": torch.ones(1000)}, tmp_path / "other.pt")
+    (tmp_path / "other.pt").write_bytes((tmp_path / "other.pt").read_bytes()[:2000])
+    assert fabric.load_latest(tmp_path, {"step": 0, "weight": None}) == tmp_path / "step-1.ckpt"
+    assert names(tmp_path) == ["other.pt", "step-1.ckpt"]
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_set_aside_and_the_one_before_resumed(fabric, tmp_path, capfd):
+    # One FSDP process writes two sharded checkpoints (a process group of its own, so in a child process).
+    writer = (
+        "import sys, torch\n"
+        "from fabriclite import Fabric\n"
+        "from fabriclite.strategies import FSDPStrategy\n"
+        "fabric = Fabric(accelerator='cpu', devices=1, strategy=FSDPStrategy(state_dict_type='sharded'))\n"
+        "fabric.launch()\n"
+        "model = fabric.setup(torch.nn.Linear(4, 4))\n"
+        "for step in (1, 2):\n"
+        "    fabric.save(f'{sys.argv[1]}/step-{step}.ckpt', {'model': model, 'step': step})\n"
+    )
+    run_python("-c", writer, str(tmp_path), timeout=180)
+    shards = list((tmp_path / "step-2.ckpt").glob("*.distcp"))
+    assert shards
+    shards[0].unlink()
+    state = {"model": torch.nn.Linear(4, 4), "step": 0}
+    assert fabric.load_latest(tmp_path, state) == tmp_path / "step-1.ckpt"
+    assert state["step"] == 1
+    err = capfd.readouterr().err
+    assert f"{str(tmp_path / 'step-2.ckpt')!r} is damaged, set aside as 'step-2.ckpt.damaged': " in err, err
+    assert "'__0_0.distcp', listed in its manifest.json, is missing" in err
+    assert names(tmp_path) == ["step-1.ckpt", "step-2.ckpt.damaged"]
 
 
 def test_load_latest_refuses_a_file_for_a_folder(fabric, tmp_path):

@@ -78,6 +78,26 @@ def test_the_same_setting_spelled_differently_is_not_a_conflict(monkeypatch, key
     assert apply_cli_settings(**arguments) == tuple({**arguments, key: in_fabric}.values())
 
 
+def test_state_dict_type_from_the_cli_reaches_fsdp_left_at_its_default_and_conflicts_otherwise(monkeypatch):
+    from fabriclite.accelerators import select_accelerator
+    from fabriclite.strategies import FSDPStrategy, ModelParallelStrategy, select_strategy
+
+    cpu = select_accelerator("cpu", 2)
+    assert fabric_environment({"state_dict_type": "full"}) == {"FABRICLITE_CLI_STATE_DICT_TYPE": "full"}
+    monkeypatch.setenv("FABRICLITE_CLI_STATE_DICT_TYPE", "full")
+    assert select_strategy("fsdp", cpu, 1).state_dict_type == "full"
+    assert select_strategy("fsdp_cpu_offload", cpu, 1).state_dict_type == "full"
+    assert select_strategy(FSDPStrategy(state_dict_type="full"), cpu, 1).state_dict_type == "full"
+    assert select_strategy(ModelParallelStrategy(lambda model, mesh: model), cpu, 1).state_dict_type == "full"
+    select_strategy("ddp", cpu, 1)  # writes full checkpoints anyway
+    monkeypatch.setenv("FABRICLITE_CLI_STATE_DICT_TYPE", "sharded")
+    expected = "state_dict_type='full' of FSDPStrategy conflicts with `fabriclite run --state-dict-type sharded`"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        select_strategy(FSDPStrategy(state_dict_type="full"), cpu, 1)
+    with pytest.raises(ValueError, match="`fabriclite run --state-dict-type sharded` needs a strategy that shards"):
+        select_strategy("ddp", cpu, 1)
+
+
 def test_settings_the_cli_did_not_set_leave_fabric_alone(monkeypatch):
     monkeypatch.delenv("FABRICLITE_CLI_DEVICES", raising=False)
     assert apply_cli_settings("cpu", "ddp", 3, 1, "16") == ("cpu", "ddp", 3, 1, "16")
@@ -132,6 +152,7 @@ def test_a_config_value_of_the_wrong_type_is_refused(tmp_path, script, capsys, c
         (["--max-restarts", "-1"], "max_restarts=-1 must be 0 or more"),
         (["--node-timeout", "0"], "node_timeout=0 must be 1 second or more"),
         (["--num-nodes", "two"], "invalid int value: 'two'"),
+        (["--state-dict-type", "consolidated"], "state_dict_type='consolidated' is not supported. Valid choices:"),
         (["--config", "missing.yaml"], "cannot read it"),
     ],
 )
@@ -192,7 +213,14 @@ def test_the_console_script_documents_every_setting():
     out = run_python(str(console_script), "run", "--help", timeout=60).stdout
     for flag in ("--config", "--accelerator", "--strategy", "--devices", "--num-nodes", "--node-rank"):
         assert flag in out
-    for flag in ("--main-address", "--main-port", "--precision", "--max-restarts", "FABRICLITE_CLI_"):
+    for flag in (
+        "--main-address",
+        "--main-port",
+        "--precision",
+        "--max-restarts",
+        "--state-dict-type",
+        "FABRICLITE_CLI_",
+    ):
         assert flag in out
 
 

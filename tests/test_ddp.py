@@ -69,7 +69,7 @@ def test_compile_under_ddp_compiles_each_block_in_place_without_graph_breaks_and
 @pytest.mark.parametrize(
     ("mode", "message"),
     [
-        ("crash", "RuntimeError: rank 1 fails on purpose"),
+        ("crash", "(RuntimeError: rank 1 fails on purpose); stopping the other processes."),  # named, rank 0 not
         ("kill", "process 1 was killed by SIGKILL; stopping the other processes"),
         ("hang", ""),
         ("late", "process 1 exited with code 3; this run failed"),

@@ -16,6 +16,7 @@ from helpers import (
     LONG_RUN_SCRIPT,
     LONG_RUN_TIMEOUT,
     ROOT,
+    SCRIPTS,
     assert_same_weights,
     fake_scontrol,
     finish,
@@ -220,5 +221,42 @@ def test_the_docs_script_preempted_by_sigterm_exits_75_and_resumes_bit_identical
     assert len(step) == 1, output[-3000:]
     again = run_python(*command, str(tmp_path / "run"), timeout=TIMEOUT).stdout
     assert f"resumed from checkpoints/step-{int(step[0]):06d}.ckpt at step {step[0]}" in again, again[-3000:]
-    assert_same_weights(torch.load(tmp_path / "ref" / "final.pt"), tmp_path / "run" / "final.pt")
+    expected, actual = (torch.load(tmp_path / name / "final.ckpt")["model"] for name in ("ref", "run"))
+    assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
     assert len(list((tmp_path / "run" / "checkpoints").iterdir())) == 3  # keep_last=3
+
+
+def test_the_docs_script_under_fsdp_writes_full_checkpoints_with_state_dict_type_full(tmp_path):
+    command = [
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp",
+        "--state-dict-type", "full", docs_script(tmp_path), str(tmp_path),
+    ]  # fmt: skip
+    output = run_python(*command, timeout=TIMEOUT).stdout
+    assert "done after 256 steps" in output, output[-3000:]
+    checkpoints = sorted((tmp_path / "checkpoints").iterdir())
+    assert [path.name for path in checkpoints] == ["step-000200.ckpt", "step-000220.ckpt", "step-000240.ckpt"]
+    assert all(path.is_file() for path in [*checkpoints, tmp_path / "final.ckpt"])  # one file each, not a folder
+    weights = torch.load(tmp_path / "final.ckpt")["model"]  # plain, whole tensors: no DTensor, no process group
+    shapes = {name: list(tensor.shape) for name, tensor in weights.items()}
+    assert shapes == {"0.weight": [32, 8], "0.bias": [32], "2.weight": [4, 32], "2.bias": [4]}
+    assert all(type(tensor) is torch.Tensor for tensor in weights.values())
+
+
+def test_a_failure_that_repeats_at_the_same_step_is_not_restarted_again_and_the_first_rank_to_fail_is_named(
+    tmp_path,
+):
+    # Rank 1 raises at step 7 of every attempt; rank 0, waiting for it in an all_reduce, fails a moment later.
+    result = run_python(
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--max-restarts", "3",
+        str(SCRIPTS / "fails_at_step.py"), "same", str(tmp_path), check=False, timeout=TIMEOUT,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    raised = "rank 1 exited with code 1 (ValueError: this batch cannot be trained on)"
+    assert f"fabriclite: {raised}; stopping every rank and starting them again (restart 1 of 3)." in output
+    assert (
+        f"fabriclite: {raised} again: the same failure as in the last attempt, with no checkpoint of the run saved in "
+        "between (its newest is still save number 1). Restarting would only repeat it, so every rank is stopped (2 of "
+        "--max-restarts 3 left unused)." in output
+    ), output[-3000:]
+    assert "attempt 1 resumed at step 5" in output and "attempt 2" not in output

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import read_until, run_python, sigkill, start_python
 
-from fabriclite.processes.nodes import NodeGroup, NodeGroupError, pick_failure
+from fabriclite.processes.nodes import NodeGroup, NodeGroupError
 from fabriclite.plugins.environments import free_port
 
 TIMEOUT = 300
@@ -111,11 +111,6 @@ def test_a_latecomer_with_wrong_settings_is_refused_alone_and_the_run_goes_on(tm
     assert "attempt" not in said  # it started no rank
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert all("refused" not in output for output in outputs), outputs
-
-
-def test_the_failure_named_is_the_first_a_signal_killed_else_the_first_reported():
-    assert pick_failure([(0, 1), (1, -9), (2, -15)]) == (1, -9)
-    assert pick_failure([(3, 1), (0, 2)]) == (3, 1)
 
 
 # ---------------------------------------------------------------- joining, in this process (real stores on loopback)

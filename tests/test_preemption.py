@@ -137,3 +137,25 @@ def test_in_an_array_job_the_requeue_names_the_arrays_task_and_else_the_job(tmp_
     assert (
         said[-1] == "fabriclite: requeued SLURM job 4242_7; it resumes from its latest checkpoint when it starts again."
     )
+
+
+def test_a_surviving_rank_ends_without_a_traceback_from_the_last_reads_all_reduce_after_a_peer_is_killed(tmp_path):
+    port, go = str(free_port()), tmp_path / "go"
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    ranks = [
+        start_python(str(SCRIPTS / "survivor.py"), str(go), RANK=str(rank), LOCAL_RANK=str(rank), **env)
+        for rank in (0, 1)
+    ]
+    try:
+        read_until(ranks[1], "ready", timeout=TIMEOUT)
+        read_until(ranks[0], "waiting", timeout=TIMEOUT)
+        ranks[1].send_signal(signal.SIGKILL)  # a real SIGKILL, as the OOM killer sends it
+        ranks[1].wait(timeout=60)
+        go.touch()
+        output = ranks[0].communicate(timeout=TIMEOUT)[0]
+    finally:
+        for rank in ranks:
+            sigkill(rank)
+    assert "end of script" in output, output[-3000:]
+    assert "Traceback" not in output and "atexit" not in output, output[-3000:]
+    assert ranks[0].returncode == 0, output[-3000:]

@@ -46,6 +46,7 @@ from fabriclite.checkpoint.files import (
     remove,
     replace,
     safe_load,
+    series_tag,
     writes_atomically,
 )
 from fabriclite.checkpoint.latest import check_folder, check_keep_last, keep_last, newest_complete
@@ -438,7 +439,7 @@ def _save_file(checkpoint: dict[str, Any], path: Path, checkpoint_io: Checkpoint
     if not path.is_dir():
         checkpoint_io.save_checkpoint(checkpoint, path)
         return
-    tmp = partial_path(path)  # a sharded checkpoint is there: replace it whole
+    tmp = partial_path(path, series_tag(checkpoint))  # a sharded checkpoint is there: replace it whole
     try:
         checkpoint_io.save_checkpoint(checkpoint, tmp)
         replace(tmp, path)

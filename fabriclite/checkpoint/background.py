@@ -70,6 +70,10 @@ class Checkpointer:
         self._sequence += 1
         return {"run": self.run, "sequence": self._sequence, "saved_at": time.time()}
 
+    def last_sequence(self) -> int:
+        """The number of the run's last checkpoint this process saved or loaded (0: none yet): how far it got."""
+        return self._sequence
+
     def resume(self, path: Path) -> None:
         """Go on with the run that wrote the checkpoint at ``path``, which ``load_latest`` resumed from, unless the
         scheduler names this run; later saves are numbered after it."""

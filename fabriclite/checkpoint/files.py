@@ -8,6 +8,7 @@ strategies write and read single files.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import re
 import shutil
@@ -30,33 +31,63 @@ from fabriclite.checkpoint.errors import (
 from fabriclite.checkpoint.integrity import MANIFEST_FILE, fill_in_crcs, read_manifest, verify_file
 
 
-# The name of a save in progress: beside its target, hidden, saying which process on which machine writes it, so a
-# later save can tell the leftovers of a killed save (its process is gone) from a save still running.
+# The name of a save in progress: beside its target, hidden, saying which process on which machine writes it, and,
+# for a checkpoint fabric.save writes, which save of which run (a hash of the run's id, its sequence number), so a
+# later save can tell the leftovers of a killed save from a save still running, on this machine or any other.
 _HOST = socket.gethostname().replace(os.sep, "_") or "localhost"
-_PARTIAL = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+(\.old)?")
+_WRITER = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+(?:\.s(?P<run>[0-9a-f]{12})-(?P<sequence>\d+))?(?:\.old)?")
 
 
 # Where fabric.save keeps what it adds to the user's state: random streams, the loss scaler, the run's series.
 META_KEY = "__fabriclite__"
 
 
-def partial_path(target: Path) -> Path:
-    """A fresh name beside ``target`` for a file or folder being written (``remove_stale_partials`` knows it)."""
-    return target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}-{os.urandom(4).hex()}")
-
-
-def remove_stale_partials(target: Path) -> None:
-    """Remove what killed saves to ``target`` left beside it: partial files and folders written by a process of
-    this machine that no longer runs. Partials of live processes, or of other machines, are left alone."""
-    prefix = f".{target.name}"
+def series_tag(checkpoint: Any) -> tuple[str, int] | None:
+    """Which save of which run ``checkpoint`` is, for the names of its partial files: (a hash of the run's id, the
+    sequence number), or None for what ``fabric.save`` did not make."""
+    meta = checkpoint.get(META_KEY) if isinstance(checkpoint, dict) else None
+    series = meta.get("series") if isinstance(meta, dict) else None
     try:
-        entries = [entry for entry in target.parent.iterdir() if entry.name.startswith(prefix + ".tmp-")]
+        return hashlib.sha1(str(series["run"]).encode()).hexdigest()[:12], int(series["sequence"])
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def partial_path(target: Path, series: tuple[str, int] | None = None) -> Path:
+    """A fresh name beside ``target`` for a file or folder being written (``remove_stale_partials`` knows it), for the
+    save ``series`` (``series_tag``) if given."""
+    tag = f".s{series[0]}-{series[1]}" if series else ""
+    return target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}-{os.urandom(4).hex()}{tag}")
+
+
+def remove_stale_partials(target: Path, series: tuple[str, int] | None = None) -> None:
+    """Remove what killed saves left in ``target``'s folder (partial files and folders named by ``partial_path``,
+    also a partial of a partial, left by a killed replacement of a folder; nothing else): those written by a
+    process of this machine that no longer runs, and, on any machine, those of the run that ``series`` (the save
+    about to write) belongs to, with its number or an earlier one: a run makes one save at a time, and this one has
+    not begun to write, so those are of saves that ended or were killed (a restart, a requeue onto other hosts)."""
+    try:
+        entries = [entry for entry in target.parent.iterdir() if entry.name.startswith(".")]
     except OSError:
         return
     for entry in entries:
-        match = _PARTIAL.fullmatch(entry.name[len(prefix) :])
-        if match and match["host"] == _HOST and not _running(int(match["pid"])):
+        writer = _writer(entry.name)
+        if writer is None:
+            continue
+        dead_here = writer["host"] == _HOST and not _running(int(writer["pid"]))
+        earlier = series is not None and writer["run"] == series[0] and int(writer["sequence"]) <= series[1]
+        if dead_here or earlier:
             remove(entry)
+
+
+def _writer(name: str) -> re.Match | None:
+    # ".last.ckpt.tmp-<writer>", or "..last.ckpt.tmp-<writer>.tmp-<writer>" (a partial written inside a partial's
+    # name): the first writer made them all.
+    head, tmp, rest = name.partition(".tmp-")
+    if not tmp or len(head) < 2:
+        return None
+    writers = [_WRITER.fullmatch(part) for part in rest.split(".tmp-")]
+    return writers[0] if all(writers) else None
 
 
 def _running(pid: int) -> bool:
@@ -213,20 +244,23 @@ def _special_kind(path: Path) -> str:
     return "a device"
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[BinaryIO], None], series: tuple[str, int] | None = None
+) -> None:
     """Call ``write(file)`` on a new file beside ``path`` and put it at ``path`` only once complete and fsynced, so
     ``path`` holds either the old file or the whole new one, even after a crash or SIGKILL mid-write. The file
-    follows the umask; leftovers of killed saves to ``path`` are removed first. Any failure raises
-    ``CheckpointError`` (disk full, permission, ...) and leaves no partial file."""
+    follows the umask; leftovers of killed saves beside ``path`` are removed first (``remove_stale_partials``, for
+    the save ``series``). Any failure raises ``CheckpointError`` (disk full, permission, ...) and leaves no partial
+    file."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(
             path, "unwritable", f"Cannot save a checkpoint file to {str(path)!r}: it is a directory; pass a file path."
         )
-    tmp = partial_path(path)
+    tmp = partial_path(path, series)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_partials(path)
+        remove_stale_partials(path, series)
         with open(tmp, "xb") as f:  # open() applies the umask, as torch.save does
             write(f)
             f.flush()
@@ -259,7 +293,7 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         f.flush()
         fill_in_crcs(Path(f.name))
 
-    atomic_write(path, write)
+    atomic_write(path, write, series_tag(obj))
 
 
 def fsync_dir(folder: Path) -> None:

@@ -10,15 +10,21 @@ never removed; ``keep_last`` removes only the run's own checkpoints, never anoth
 
 "Complete" means written to the end and verified: the checksums of a file (``verify_file``) or of every file a
 folder's manifest lists match. A save killed mid-write leaves only a hidden partial beside its target (see
-``files.atomic_write``), which is never a candidate; a file cut short or damaged afterwards fails verification and
-is skipped with a warning.
+``files.atomic_write``), which is never a candidate. A checkpoint cut short or damaged afterwards (a file whose zip
+directory is gone is still known by its first record, which torch writes first) fails verification: ``load_latest``
+says so and sets it aside, renamed ``NAME.damaged``, never removed, so that the run goes on from the one before and
+its next save of that name finds the name free.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import re
+import struct
 import sys
+import zipfile
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
@@ -78,11 +84,11 @@ def _read_series(path: Path, weights_only: bool) -> Series | None:
 
     from fabriclite.checkpoint.sharded import STRUCTURE_FILE
 
+    target = path / STRUCTURE_FILE if path.is_dir() else path
     try:
-        target = path / STRUCTURE_FILE if path.is_dir() else path
         checkpoint = torch.load(target, map_location="cpu", weights_only=weights_only, mmap=True)
-    except Exception:
-        return None
+    except Exception:  # cut short (no zip directory)? its first record may still say what it was
+        checkpoint = None if target.is_dir() or zipfile.is_zipfile(target) else _structure_of_cut_file(target)
     meta = checkpoint.get(META_KEY) if isinstance(checkpoint, dict) else None
     if not isinstance(meta, dict):
         return None
@@ -93,6 +99,42 @@ def _read_series(path: Path, weights_only: bool) -> Series | None:
     try:
         return Series(str(series["run"]), int(series["sequence"]), float(series["saved_at"]), keys)
     except (KeyError, TypeError, ValueError):
+        return None
+
+
+class _Placeholder(dict):
+    """What ``_structure_of_cut_file`` makes of every object that is not a plain value (a tensor, an OrderedDict)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __setstate__(self, state: object) -> None:  # any state (a NumPy array's is a tuple): not needed
+        pass
+
+
+class _StructureOnly(pickle.Unpickler):
+    # Imports nothing and reads no tensor: every global is a placeholder, so no code of the file can run.
+    def find_class(self, module: str, name: str) -> type:
+        return _Placeholder
+
+    def persistent_load(self, pid: object) -> None:
+        return None
+
+
+def _structure_of_cut_file(path: Path) -> object:
+    """The dicts and plain values of a ``torch.save`` file whose end is missing (no zip directory), read from its
+    first record, ``data.pkl``, which torch writes before the tensors; None when that cannot be read either."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                return None
+            name_length, extra_length = struct.unpack("<HH", header[26:30])
+            if not f.read(name_length).endswith(b"/data.pkl"):
+                return None
+            f.seek(extra_length, os.SEEK_CUR)
+            return _StructureOnly(f).load()
+    except Exception:
         return None
 
 
@@ -111,7 +153,9 @@ def candidates(
         return []
     found = []
     for entry in entries:
-        if (pattern is not None and not pattern.fullmatch(entry.name)) or not is_checkpoint(entry):
+        if (pattern is not None and not pattern.fullmatch(entry.name)) or _SET_ASIDE.search(entry.name):
+            continue
+        if not is_checkpoint(entry) and not (entry.is_file() and _structure_of_cut_file(entry) is not None):
             continue
         series = series_of(entry, weights_only)
         if series is not None:
@@ -154,13 +198,29 @@ def newest_complete(
 ) -> Path | None:
     """The newest complete checkpoint in ``folder`` (of the run ``run``, if it has any there; holding every key of
     ``keys``), or None (no folder, or no such checkpoint in it); every newer one that fails verification is named
-    on stderr. Usage: ``path = newest_complete("checkpoints", keys=state)``."""
+    on stderr and set aside (``set_aside``), so the run can go on.
+    Usage: ``path = newest_complete("checkpoints", keys=state)``."""
     for path, _ in candidates(check_folder(folder), run=run, keys=keys, weights_only=weights_only):
         error = problem(path)
         if error is None:
             return path
-        print(f"fabriclite: load_latest skips {str(path)!r}: {error}", file=sys.stderr, flush=True)
+        try:
+            done = f"set aside as {set_aside(path).name!r}"
+        except OSError as failure:
+            done = f"skipped (it could not be set aside: {failure.strerror or failure})"
+        print(f"fabriclite: load_latest: {str(path)!r} is damaged, {done}: {error}", file=sys.stderr, flush=True)
     return None
+
+
+def set_aside(path: Path) -> Path:
+    """Rename the damaged checkpoint at ``path`` to ``NAME.damaged`` (or ``NAME.damaged-2``, ...) beside it, never a
+    candidate again, never removed, and return the new path: a later save may then use its name again."""
+    for number in range(1, 1000):
+        aside = path.with_name(f"{path.name}.damaged" + (f"-{number}" if number > 1 else ""))
+        if not aside.exists() and not aside.is_symlink():
+            os.rename(path, aside)
+            return aside
+    raise FileExistsError(errno.EEXIST, f"{path.name}.damaged-1 to -999 are all taken", str(path))
 
 
 def keep_last(saved: str | os.PathLike, count: int, run: str | None = None) -> list[Path]:
@@ -188,6 +248,9 @@ def keep_last(saved: str | os.PathLike, count: int, run: str | None = None) -> l
         remove(path)
         removed.append(path)
     return removed
+
+
+_SET_ASIDE = re.compile(r"\.damaged(-\d+)?$")  # set_aside's names
 
 
 def _name_pattern(name: str) -> re.Pattern:

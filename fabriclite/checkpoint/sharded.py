@@ -34,6 +34,7 @@ from fabriclite.checkpoint.files import (
     remove_stale_partials,
     replace,
     safe_load,
+    series_tag,
 )
 from fabriclite.checkpoint.integrity import MANIFEST_FILE, digest, manifest_bytes, read_manifest, verify_folder
 
@@ -59,8 +60,8 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, strategy: Any) -> None:
     def start() -> str:
         check_replaceable(path)  # never replace what a user put there
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_partials(path)
-        folder = partial_path(path)
+        remove_stale_partials(path, series_tag(checkpoint))
+        folder = partial_path(path, series_tag(checkpoint))
         os.mkdir(folder)  # follows the umask, as the files DCP writes into it do
         try:
             atomic_save(structure, folder / STRUCTURE_FILE)

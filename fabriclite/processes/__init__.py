@@ -4,6 +4,7 @@
 - ``preemption``: every rank agreeing on a notice (``fabric.preempted``), and the end of a preempted script.
 - ``launcher``: one interface, ``launch(fn, *args)``: in place, by re-running the script, or by spawning.
 - ``supervisor``: watching and restarting the ranks of one machine (``fabriclite run --max-restarts``).
+- ``failures``: what a rank that failed tells its supervisor; which rank failed first; a failure that repeats.
 - ``nodes``: the supervisors of a run on several machines, kept in step through node 0's store.
 - ``watchdog``: the report of a rank that stalls, and of processes that never join.
 

@@ -23,14 +23,18 @@ import atexit
 import inspect
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable
 
 from fabriclite.processes import signals
+from fabriclite.processes.failures import FAILURE_FILE_ENV, Failure, how_it_ended
+from fabriclite.processes.failures import read as read_failure
 from fabriclite.plugins.environments import free_port
 from fabriclite.processes.supervisor import (  # what every way of starting processes shares
     _ENDED,
@@ -40,7 +44,6 @@ from fabriclite.processes.supervisor import (  # what every way of starting proc
     _die_with_parent,
     _exit_code,
     _rank_env,
-    how_it_ended,
     max_restarts,
 )
 
@@ -125,6 +128,7 @@ class SubprocessLauncher:
         # The watching thread and an error on the main thread may both see a child die: one of them reports it.
         self._deciding = threading.Lock()
         self._reported: set[int] = set()
+        self._records = ""  # where each child writes the exception that ends it (``failures.record``)
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Start the other processes, put this one's rank in its environment, then run ``function`` here."""
@@ -143,11 +147,14 @@ class SubprocessLauncher:
     def _start(self) -> None:
         command = _script_command() if self.processes > 1 else []  # one process runs the script it is in
         port = free_port()
+        self._records = tempfile.mkdtemp(prefix="fabriclite-failures-")
+        atexit.register(shutil.rmtree, self._records, True)  # after _wait_for_children, registered later
         for rank in range(1, self.processes):
             env = {
                 **os.environ,
                 **_rank_env(rank, rank, self.processes, 0, "127.0.0.1", port),
                 LAUNCHER_ENV: "subprocess",
+                FAILURE_FILE_ENV: os.path.join(self._records, f"{rank}.json"),
             }
             self.children.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
         os.environ.update(_rank_env(0, 0, self.processes, 0, "127.0.0.1", port))
@@ -157,11 +164,12 @@ class SubprocessLauncher:
         previous_hook = sys.excepthook
 
         def kill_children_then_report(*exc_info: Any) -> None:
+            failed_at = time.time()
             with self._deciding:
                 self._failing = True
             if not issubclass(exc_info[0], KeyboardInterrupt):  # on Ctrl-C every rank stops at once: no news
                 self._wait_for_a_child_to_fail(SIBLING_EXIT_GRACE_S)
-            self.kill_children()
+            self.kill_children(failed_before=failed_at)
             previous_hook(*exc_info)
 
         sys.excepthook = kill_children_then_report
@@ -187,19 +195,24 @@ class SubprocessLauncher:
         # A child that dies closes its sockets before the OS lets its parent see it exit, so this process's collective
         # can fail first. Waiting that moment lets the report name the rank that died (SIGKILL by the OOM killer,
         # say) instead of only the collective's "connection closed by peer". Costs `within` when no child fails.
+        # A child whose exception is recorded failed too, even while it is still exiting.
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
-            if any(child.poll() not in (None, *_ENDED) for child in self.children):
+            if any(child.poll() not in (None, *_ENDED) or self._failure(child).error for child in self.children):
                 return
             time.sleep(0.02)
 
-    def kill_children(self) -> None:
+    def kill_children(self, failed_before: float | None = None) -> None:
+        """Stop every child, first naming those that failed on their own: exited with an error, or (when this
+        process fails at ``failed_before``) recorded an exception before that, and are still exiting."""
         with self._deciding:
             if not self._killing:
-                for child in self.children:  # name those that failed on their own, before this process stops the rest
-                    code = _returncode(child)
+                for child in self.children:
+                    code, failure = _returncode(child), self._failure(child)
                     if code not in (None, *_ENDED):
                         self._report(child, code, "stopping the other processes")
+                    elif failure.error and failed_before is not None and (failure.at or 0.0) < failed_before:
+                        self._report(child, None, "stopping the other processes")
             self._killing = True
         for child in self.children:
             if child.poll() is None:
@@ -210,11 +223,17 @@ class SubprocessLauncher:
             except subprocess.TimeoutExpired:
                 pass
 
-    def _report(self, child: subprocess.Popen, code: int, action: str) -> None:
+    def _report(self, child: subprocess.Popen, code: int | None, action: str) -> None:
+        """Say how ``child`` ended (``code``; None: it raised and is still exiting), with its exception if recorded."""
         if self._killing or child.pid in self._reported:
             return
         self._reported.add(child.pid)
-        _tell(f"fabriclite: process {self.children.index(child) + 1} {how_it_ended(code)}; {action}.")
+        how = how_it_ended(code) if code is not None else "raised first"
+        _tell(f"fabriclite: process {self.children.index(child) + 1} {how}{self._failure(child).headline()}; {action}.")
+
+    def _failure(self, child: subprocess.Popen) -> Failure:
+        rank = self.children.index(child) + 1
+        return read_failure(os.path.join(self._records, f"{rank}.json"), rank, 1)
 
     def _wait_for_children(self) -> None:
         for child in self.children:

@@ -8,7 +8,7 @@ For attempt k (the first is 0), under the store's keys ``k/...``:
 - a node whose rank dies stops its ranks, reports which died and how (``k/report/<node>``, numbered in the order
   they came) and raises the stop flag (``k/stop``); every node that sees it stops its ranks too. Then all wait until
   every node has stopped them (``k/stopped`` = N), so the next group finds no rank of the dead one to connect to, and
-  all name the same rank: the first reported that a signal killed, else the first reported;
+  all name the same rank, the one that failed first (``failures.first``), and know every rank's failure;
 - a node whose ranks all exited 0 counts itself finished (``k/finished``); the run succeeded once every node has.
 
 A preemption notice on one node is published (``preempted``), so every node ends "preempted" too. Every supervisor
@@ -21,12 +21,14 @@ Usage: ``Supervisor(command, processes=8, nodes=NodeGroup(2, node_rank, "10.0.0.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 from fabriclite.plugins.environments import free_port
+from fabriclite.processes.failures import Failure, first
 
 NODE_TIMEOUT_S = 60.0  # a node whose supervisor is silent this long is taken for dead
 JOIN_TIMEOUT_S = 600.0  # how long the first node waits for the last one to start (a cluster starts them apart)
@@ -46,13 +48,6 @@ class NodeGroupError(RuntimeError):
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def pick_failure(reports: list[tuple[int, int]]) -> tuple[int, int]:
-    """The (rank, returncode) to name among failures in the order they were seen: the first a signal killed (the
-    OOM killer, a SIGKILL: its siblings' errors only follow from it), else the first."""
-    killed = [report for report in reports if report[1] < 0]
-    return (killed or reports)[0]
 
 
 class NodeGroup:
@@ -196,13 +191,13 @@ class NodeGroup:
     def stop_requested(self, attempt: int) -> bool:
         return bool(self._call("check", [f"{attempt}/stop"]))
 
-    def stop(self, attempt: int, failures: list[tuple[int, int]]) -> tuple[int, int, int]:
-        """This node stopped its ranks in ``attempt``, ``failures`` (global rank, returncode) among them: tell the
-        others, wait until every node has stopped its ranks, and return the failure every node names, as
-        (node, rank, returncode)."""
+    def stop(self, attempt: int, failures: list[Failure]) -> tuple[int, Failure, list[Failure]]:
+        """This node stopped its ranks in ``attempt``, ``failures`` (by global rank) among them: tell the others, wait
+        until every node has stopped its ranks, and return the failure every node names, as (node, failure), and the
+        failures of every node."""
         if failures:
             order = self._call("add", f"{attempt}/reports", 1)
-            listed = " ".join(f"{rank}:{code}" for rank, code in failures)
+            listed = json.dumps([list(failure) for failure in failures])
             self._call("set", f"{attempt}/report/{self.node_rank}", f"{order} {listed}")
             self._call("set", f"{attempt}/stop", "1")
         self._call("add", f"{attempt}/stopped", 1)
@@ -215,16 +210,14 @@ class NodeGroup:
         for node in range(self.num_nodes):
             key = f"{attempt}/report/{node}"
             if self._call("check", [key]):
-                order, *listed = self._call("get", key).decode().split()
-                for item in listed:
-                    rank, code = item.split(":")
-                    reports.append((int(order), node, int(rank), int(code)))
+                order, listed = self._call("get", key).decode().split(" ", 1)
+                reports.extend((int(order), node, Failure(*failure)) for failure in json.loads(listed))
         if not reports:
             raise NodeGroupError(f"the nodes stopped attempt {attempt}, but none said which rank failed")
-        reports.sort()
-        rank, code = pick_failure([(rank, code) for _, _, rank, code in reports])
-        node = next(node for _, node, r, _ in reports if r == rank)
-        return node, rank, code
+        reports.sort(key=lambda report: report[:2])  # in the order the nodes reported
+        named = first([failure for _, _, failure in reports])
+        node = next(node for _, node, failure in reports if failure == named)
+        return node, named, [failure for _, _, failure in reports]
 
     # ------------------------------------------------------------------------------------------ plumbing
     def _call(self, method: str, *args: Any) -> Any:

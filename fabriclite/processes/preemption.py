@@ -97,11 +97,16 @@ class _Reduction:
 
 def settle() -> None:
     """Wait for the all-reduce the last read started (every rank started it, so it ends), before the process group
-    is destroyed; the next read starts afresh. Usage: ``settle()`` in a strategy's teardown."""
+    is destroyed; the next read starts afresh. A reduction that failed, because a rank died and the group with it,
+    has nothing left to wait for: the failure is reported where the run met it, not again at exit. Usage:
+    ``settle()`` in a strategy's teardown."""
     global _in_flight
     reduction, _in_flight = _in_flight, None
     if reduction is not None:
-        reduction.result()
+        try:
+            reduction.result()
+        except RuntimeError:  # the group is broken (a peer died): nothing of this read is left to end
+            pass
 
 
 def _end_at_exit(strategy: Any) -> None:

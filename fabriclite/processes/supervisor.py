@@ -6,7 +6,9 @@ node restarts the ranks of every node together.
 - Each rank runs in its own session, so stopping it stops what it started too (DataLoader workers), and dies
   within moments when this process dies, however it dies (``PR_SET_PDEATHSIG`` on Linux).
 - When a rank dies (an error, a signal, the OOM killer), every rank is stopped and the whole group starts again
-  on a fresh port, up to ``max_restarts`` times, each restart said in one line naming the rank and how it died.
+  on a fresh port, up to ``max_restarts`` times, each restart said in one line naming the rank that failed first
+  and how (``failures``: each rank writes the exception that ended it to a file of this supervisor's). A failure
+  that repeats the last attempt's, with no checkpoint saved in between, is not restarted: the run ends, saying so.
   The script resumes itself: ``fabric.load_latest(folder, state)`` at its top. ``FABRICLITE_RESTART_COUNT`` tells
   it which attempt it is.
 - SIGTERM and SIGUSR1 (a preemption notice) are passed to every rank and end the restarts; once the ranks have
@@ -23,14 +25,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
-from fabriclite.processes.nodes import NodeGroup, NodeGroupError, pick_failure
 from fabriclite.plugins.environments import free_port
+from fabriclite.processes.failures import FAILURE_FILE_ENV, Failure, first, how_it_ended, read, repeats
+from fabriclite.processes.nodes import NodeGroup, NodeGroupError
 from fabriclite.processes.signals import GRACE_S, NOTICES as SIGNALS, PREEMPTED_EXIT_CODE, SAME_NOTICE_S, requeue
 
 LAUNCHER_ENV = "FABRICLITE_LAUNCHER"  # who started a rank: our launchers set it, and ranks read it
@@ -64,16 +69,6 @@ def _rank_env(rank: int, local_rank: int, world_size: int, node_rank: int, addre
 def _exit_code(returncode: int) -> int:
     # A child killed by signal N (returncode -N) makes this process exit the way shells report it: 128 + N.
     return returncode if returncode > 0 else 128 - returncode
-
-
-def how_it_ended(returncode: int) -> str:
-    """``returncode`` of a process in words: "exited with code 3", "was killed by SIGKILL"."""
-    if returncode >= 0:
-        return f"exited with code {returncode}"
-    try:
-        return f"was killed by {signal.Signals(-returncode).name}"
-    except ValueError:
-        return f"was killed by signal {-returncode}"
 
 
 def max_restarts() -> int:
@@ -126,12 +121,15 @@ class Supervisor:
         self.signals: list[int] = []  # received, in order; one within SAME_NOTICE_S of the first is the same one
         self._first_signal_at = 0.0
         self.notice = 0  # the preemption notice this run got, here or on another node
+        self.failures: list[Failure] = []  # the last attempt's, on every node: is the next one the same again?
+        self._records = ""  # the folder where each rank writes the exception that ended it (``failures``)
 
     def run(self) -> int:
         """Start the ranks and return the run's exit code: 0, the failed rank's (128 + N for signal N) once the
         restarts are used up, or ``PREEMPTED_EXIT_CODE`` after a preemption notice."""
         previous = {signum: signal.signal(signum, self._on_signal) for signum in _FORWARDED}
         code, alone = 1, None  # alone: why this node ended the run without the others, if it did
+        self._records = tempfile.mkdtemp(prefix="fabriclite-failures-")
         try:
             if self.nodes:
                 self.nodes.join()
@@ -150,6 +148,7 @@ class Supervisor:
             return code
         finally:
             self._stop()
+            shutil.rmtree(self._records, ignore_errors=True)
             if self.nodes:
                 self.nodes.leave(code, alone)
             for signum, handler in previous.items():
@@ -168,6 +167,7 @@ class Supervisor:
                 "LOCAL_WORLD_SIZE": str(self.processes),  # as torchrun sets them, for scripts that read them
                 "GROUP_RANK": str(self.node_rank),
                 RESTART_ENV: str(attempt),
+                FAILURE_FILE_ENV: self._record(attempt, first + local),
             }
             self.ranks.append(
                 subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
@@ -217,28 +217,40 @@ class Supervisor:
             time.sleep(0.1)
 
     def _after_failure(self, attempt: int, here: bool) -> int | None:
-        """Stop every rank (on every node) after a rank died (``here``: on this node): the failed rank's exit code,
-        or None to start the group again."""
+        """Stop every rank (on every node) after a rank died (``here``: on this node): the exit code of the rank that
+        failed first, or None to start the group again. A failure that repeats the last attempt's ends the run."""
         codes = self._codes_after_a_failure() if here else [rank.poll() for rank in self.ranks]
-        first = self.node_rank * self.processes
-        failures = [(first + local, code) for local, code in enumerate(codes) if code not in (None, *_ENDED)]
+        start = self.node_rank * self.processes
+        failures = [
+            read(self._record(attempt, start + local), start + local, code)
+            for local, code in enumerate(codes)
+            if code not in (None, *_ENDED)
+        ]
         self._stop()
         if self.nodes:
-            node, rank, code = self.nodes.stop(attempt, failures)
-            who = f"rank {rank} on node {node}"
+            node, failure, failures = self.nodes.stop(attempt, failures)
+            who = failure.describe(node)
         else:
-            rank, code = pick_failure(failures)
-            who = f"rank {rank}"
-        how = how_it_ended(code)
-        if attempt < self.max_restarts:
+            failure = first(failures)
+            who = failure.describe()
+        previous, self.failures = self.failures, failures
+        if attempt < self.max_restarts and repeats(failure, previous):
+            newest = f"its newest is still save number {failure.progress}" if failure.progress else "it has none yet"
             say(
-                f"{who} {how}; stopping every rank and starting them again "
-                f"(restart {attempt + 1} of {self.max_restarts})."
+                f"{who} again: the same failure as in the last attempt, with no checkpoint of the run saved in between "
+                f"({newest}). Restarting would only repeat it, so every rank is stopped "
+                f"({self.max_restarts - attempt} of --max-restarts {self.max_restarts} left unused)."
             )
+            return _exit_code(failure.code)
+        if attempt < self.max_restarts:
+            say(f"{who}; stopping every rank and starting them again (restart {attempt + 1} of {self.max_restarts}).")
             return None
         left = f" (no restarts left of --max-restarts {self.max_restarts})" if self.max_restarts else ""
-        say(f"{who} {how}; stopping every rank{left}.")
-        return _exit_code(code)
+        say(f"{who}; stopping every rank{left}.")
+        return _exit_code(failure.code)
+
+    def _record(self, attempt: int, rank: int) -> str:
+        return os.path.join(self._records, f"{attempt}-{rank}.json")
 
     def _codes_after_a_failure(self) -> list[int | None]:
         # When one rank dies, the others' collectives fail a moment later, and they exit with errors of their own.

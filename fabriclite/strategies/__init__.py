@@ -12,7 +12,7 @@ import warnings
 from typing import Any
 
 from fabriclite.accelerators import Accelerator
-from fabriclite.choices import invalid_choice
+from fabriclite.choices import apply_cli_state_dict_type, invalid_choice
 from fabriclite.strategies.strategy import SingleDeviceStrategy, Strategy
 
 __all__ = [
@@ -94,6 +94,12 @@ def select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> 
 
     Usage: ``select_strategy("auto", CPUAccelerator([0]), num_nodes=1)``.
     """
+    built = _select_strategy(strategy, accelerator, num_nodes)
+    apply_cli_state_dict_type(built)  # `fabriclite run --state-dict-type full`
+    return built
+
+
+def _select_strategy(strategy: Any, accelerator: Accelerator, num_nodes: int) -> Strategy:
     if isinstance(strategy, Strategy):
         return strategy
     if not isinstance(strategy, str) or strategy not in STRATEGY_NAMES:

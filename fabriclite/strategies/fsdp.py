@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from fabriclite import checkpoint
 from fabriclite._blocks import repeated_blocks  # also importable from here, where it lived first
 from fabriclite.checkpoint import CheckpointIO
+from fabriclite.choices import STATE_DICT_TYPES
 from fabriclite.plugins.environments import ClusterEnvironment
 from fabriclite.rank_zero import rank_zero_warn
 from fabriclite.strategies.mesh import sharding_choice, sharding_mesh
@@ -59,7 +60,6 @@ from fabriclite.strategies.sharding import (
 )
 from fabriclite.utilities.imports import checkpoint_activations
 
-STATE_DICT_TYPES = ("sharded", "full")
 
 # FSDP1's keyword arguments (FullyShardedDataParallel's, which Lightning's FSDPStrategy passes on) that FSDP2 has no
 # setting for: accepted, with one warning saying why nothing changes.

@@ -1,0 +1,140 @@
+"""What a rank that failed tells the supervisor that started it, and what the supervisor makes of it: which rank
+failed first, and whether a failure is the last attempt's over again (as torchelastic's agent reads the error file
+each worker writes, and names the earliest failure the root cause).
+
+- **The rank** (``record``, at ``Fabric`` creation): when ``FAILURE_FILE_ENV`` names a file, an exception that ends
+  the process is written there before Python prints it: its type and message, the time, and the number of the
+  run's last checkpoint this process saved or loaded (its progress). Nothing else changes.
+- **The supervisor** (``read``, ``first``, ``repeats``): a rank killed by a signal failed first (its siblings' errors
+  follow from it), then one that exited without a record (``sys.exit``, or before its ``Fabric`` existed), then the
+  earliest recorded exception: a rank whose peer died fails in the collective it was in, moments after the peer
+  raised. A failure repeats when the rank named had failed in the last attempt too (named then or not: when every
+  rank raises it, which one comes first may change) with the same exception and message, from the same checkpoint:
+  restarting would only do it again.
+
+Usage: ``record(checkpointer.last_sequence)`` in a rank; ``first([read(path, rank, code), ...])`` in the
+supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+FAILURE_FILE_ENV = "FABRICLITE_FAILURE_FILE"  # where a rank writes the exception that ended it
+_MESSAGE_CHARS = 4000  # enough to tell two exceptions apart; a traceback is printed in full anyway
+
+
+class Failure(NamedTuple):
+    """How one rank failed: ``code`` as ``Popen.returncode`` has it (-N: killed by signal N); what it recorded, if it
+    did (``error``: "ValueError: message"; ``at``: when, by ``time.time()``; ``progress``: the number of the run's
+    last checkpoint it saved or loaded, 0 for none)."""
+
+    rank: int
+    code: int
+    error: str | None = None
+    at: float | None = None
+    progress: int | None = None
+
+    def describe(self, node: int | None = None) -> str:
+        """In words: "rank 1 exited with code 1 (ValueError: bad batch)", "rank 9 on node 1 was killed by SIGKILL"."""
+        where = "" if node is None else f" on node {node}"
+        return f"rank {self.rank}{where} {how_it_ended(self.code)}{self.headline()}"
+
+    def headline(self) -> str:
+        """The first line of the exception recorded, as " (ValueError: bad batch)", or "" without one."""
+        return f" ({self.error.splitlines()[0][:300]})" if self.error else ""
+
+
+def how_it_ended(returncode: int) -> str:
+    """``returncode`` of a process in words: "exited with code 3", "was killed by SIGKILL"."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+
+
+# The one failure hook of this process, and where it reads the progress: the newest Fabric's checkpointer, held
+# weakly (it holds the host copy of the state).
+_progress: list[Callable[[], Callable[[], int] | None]] = []
+
+
+def record(progress: Callable[[], int]) -> None:
+    """Write the exception that ends this process to ``FAILURE_FILE_ENV``'s file, with ``progress()`` (the number of
+    the run's last checkpoint), if a supervisor asked for it. Once per process; a later call only replaces
+    ``progress``. Usage: at ``Fabric`` creation."""
+    if not _progress:
+        # Taken out of the environment: a process this one starts (a script of its own) must not write here.
+        path = os.environ.pop(FAILURE_FILE_ENV, "")
+        if not path:
+            return
+        previous = sys.excepthook
+
+        def write_then_report(kind: type, error: BaseException, traceback: Any) -> None:
+            try:
+                progress = _progress[-1]()
+                _write(path, kind, error, progress() if progress is not None else 0)
+            except Exception:  # the report of the failure must never hide the failure itself
+                pass
+            previous(kind, error, traceback)
+
+        sys.excepthook = write_then_report
+    _progress[:] = [weakref.WeakMethod(progress) if hasattr(progress, "__self__") else lambda: progress]
+
+
+def _write(path: str, kind: type, error: BaseException, progress: int) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        return  # an interrupt is no failure of the run's own
+    text = json.dumps(
+        {
+            "error": f"{kind.__qualname__}: {error}"[:_MESSAGE_CHARS],
+            "at": time.time(),
+            "progress": int(progress),
+        }
+    )
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)  # the supervisor never reads half a record
+
+
+def read(path: str | os.PathLike, rank: int, code: int) -> Failure:
+    """The failure of ``rank`` (exit ``code``) with what it recorded at ``path``, if anything readable is there."""
+    try:
+        content = json.loads(Path(path).read_text())
+        return Failure(rank, code, str(content["error"]), float(content["at"]), int(content["progress"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return Failure(rank, code)
+
+
+def first(failures: list[Failure]) -> Failure:
+    """The failure to name among ``failures`` (in the order they were seen): the first a signal killed, else the first
+    without a record, else the earliest recorded exception."""
+
+    def order(item: tuple[int, Failure]) -> tuple:
+        seen, failure = item
+        if failure.code < 0:
+            return (0, seen, 0.0)
+        if failure.at is None:
+            return (1, seen, 0.0)
+        return (2, 0, failure.at)
+
+    return min(enumerate(failures), key=order)[1]
+
+
+def repeats(failure: Failure, previous: list[Failure]) -> bool:
+    """Whether ``failure`` is the last attempt's over again: an exception recorded the same (type, message), on a
+    rank that failed so in the last attempt (``previous``, its failures), from the same checkpoint."""
+    if failure.error is None:
+        return False
+    return any(
+        (old.rank, old.error, old.progress) == (failure.rank, failure.error, failure.progress) for old in previous
+    )

@@ -1,0 +1,31 @@
+"""Started by `fabriclite run --devices 2 --max-restarts N` in tests/test_long_runs.py: a run whose rank 1 raises
+the same error at the same step of every attempt (MODE "same"), or at a later step after a new checkpoint in
+each attempt (MODE "later"), while rank 0 is in a collective with it (and fails on the closed connection).
+
+Saves every 5 steps; rank 1 raises at step 7 (+ 5 per attempt with MODE "later").
+Usage: ``fabriclite run --accelerator cpu --devices 2 --max-restarts N fails_at_step.py same|later FOLDER``.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from fabriclite import Fabric
+
+mode, folder = sys.argv[1], Path(sys.argv[2])
+fabric = Fabric()
+fabric.launch()
+state = {"step": 0}
+resumed = fabric.load_latest(folder, state)
+fabric.print(f"attempt {os.environ['FABRICLITE_RESTART_COUNT']} resumed at step {state['step']}", flush=True)
+fail_at = 7 + (5 * int(os.environ["FABRICLITE_RESTART_COUNT"]) if mode == "later" else 0)
+while state["step"] < 30:
+    state["step"] += 1
+    if fabric.global_rank == 1 and state["step"] == fail_at:
+        raise ValueError("this batch cannot be trained on")
+    fabric.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, and fails once it is gone
+    if state["step"] % 5 == 0:
+        fabric.save(folder / f"step-{state['step']:03d}.ckpt", state)
+fabric.print("done", flush=True)
