@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -44,9 +45,18 @@ from fabriclite.utilities.imports import (
     current_compile_id,
     default_compile_backend,
     inductor_cache_dir,
+    inductor_options,
     inductor_vec_isa_all_pass,
     inductor_vec_isa_fingerprint,
+    is_inductor_backend,
     maybe_mark_dynamic,
+    module_call_hooks,
+    precompile,
+    precompile_supported,
+    precompiled_from_bytes,
+    precompiled_guards_pass,
+    precompiled_sources,
+    precompiled_to_bytes,
 )
 
 # After this many forward calls the watch stops: recompiling still then means shapes change every step.
@@ -109,9 +119,11 @@ def compile_model(
     mark_batch = options.get("dynamic") is None
     names = {id(module): name for name, module in original.named_modules()}
     first_call = _FirstCall()
+    saved = _SavedGraph(backend) if _can_save(options, mark_batch, backend, strategy, blocks) else None
     for block in blocks:
-        _compile_in_place(block, options, mark_batch, first_call)
-    return forward_module, CompileWatch(type(original).__name__, backend, [names[id(block)] for block in blocks])
+        _compile_in_place(block, options, mark_batch, first_call, saved)
+    regions = [names[id(block)] for block in blocks]
+    return forward_module, CompileWatch(type(original).__name__, backend, regions, saved)
 
 
 class _CountingBackend:
@@ -204,6 +216,136 @@ def _regions(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [block for block in repeated_blocks(module) if next(block.children(), None) is not None]
 
 
+def _can_save(
+    options: dict[str, Any], mark_batch: bool, backend: _CountingBackend, strategy: Any, blocks: list[torch.nn.Module]
+) -> bool:
+    # Where the saved graph is known to be the graph Dynamo would compile: Inductor with its default arguments
+    # (mode and options taken), one process on a CPU, blocks without hooks of their own (their forward is all
+    # that runs) and with plain tensors (no DTensor, no FSDP).
+    return (
+        set(options) <= {"backend", "fullgraph", "name"}
+        and mark_batch
+        and is_inductor_backend(backend.inner)
+        and strategy.root_device.type == "cpu"
+        and getattr(strategy, "world_size", 1) == 1
+        and all(_plain_block(block) for block in blocks)
+        and precompile_supported()
+    )
+
+
+def _plain_block(block: torch.nn.Module) -> bool:
+    tensors = list(block.parameters()) + list(block.buffers())
+    return (
+        not module_call_hooks(block)
+        and type(block).__call__ is torch.nn.Module.__call__
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    )
+
+
+class _SavedGraph:
+    """The graph of a model's blocks, compiled ahead of time on the first training call and kept in Inductor's
+    cache folder (``fabriclite/graphs/``), so that the next process that trains the same blocks loads it instead of
+    tracing and compiling. Shared by the model's blocks, as Dynamo's graph is.
+
+    A saved graph is used only where nothing it was made from changed: the file's name is a hash of torch, Python,
+    the block's class, Inductor's options and the inputs' kinds; every module whose code was traced (the model's
+    file, torch's layers) must read exactly as when it was saved; and Dynamo's guards (shapes, dtypes, grad mode,
+    the block's attributes such as its number of heads) must pass on the first call. Otherwise the block is compiled
+    again and the file replaced. Anything that fails on the way leaves the blocks to ``torch.compile``, as before.
+    """
+
+    def __init__(self, backend: _CountingBackend) -> None:
+        self.backend = backend
+        self.function: Any = None
+        self.source: str | None = None  # "loaded" or "compiled", once prepared
+
+    def prepare(self, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Load the saved graph for this first training call, or compile and save it."""
+        try:
+            path = self._path(block, args, kwargs)
+        except (TypeError, ValueError):  # inputs this key cannot name: compile just in time
+            return
+        self.function = self._load(path, block, args, kwargs)
+        if self.function is not None:
+            self.source = "loaded"
+        else:
+            self.function = self._compile_and_save(path, block, args, kwargs)
+            self.source = "compiled" if self.function is not None else None
+        if self.function is not None:
+            self.backend.graphs += 1  # what Dynamo would have handed the backend
+
+    def _path(self, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Path:
+        inputs = [
+            (str(a.dtype), a.device.type, a.dim(), a.requires_grad) if isinstance(a, torch.Tensor) else _constant(a)
+            for a in args
+        ] + sorted((name, _constant(value)) for name, value in kwargs.items() if not isinstance(value, torch.Tensor))
+        key = repr(
+            (
+                1,  # this file's format
+                torch.__version__,
+                torch.__file__,
+                sys.version,
+                type(block).__module__,
+                type(block).__qualname__,
+                sorted((name, repr(value)) for name, value in self.backend.inner.config.items()),
+                sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor)),
+                inputs,
+            )
+        )
+        return Path(inductor_cache_dir(), "fabriclite", "graphs", hashlib.sha256(key.encode()).hexdigest()[:32])
+
+    def _load(self, path: Path, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            with inductor_options(self.backend.inner.config):
+                function = precompiled_from_bytes(data, type(block).forward.__globals__)
+            if not _sources_unchanged(function) or not precompiled_guards_pass(function, (block, *args), kwargs):
+                return None
+        except Exception:  # a file another torch or a broken write left: compile again
+            return None
+        return function
+
+    def _compile_and_save(self, path: Path, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        _mark_batch(args)  # saved graphs are made only where the batch dimension is dynamic (no ``dynamic`` given)
+        try:
+            function = precompile(block.forward, args, kwargs, self.backend.inner)
+            if not any(name == type(block).__module__ for name, _ in precompiled_sources(function)):
+                return None  # the block's own code has no source to check later (defined in a string)
+            if not precompiled_guards_pass(function, (block, *args), kwargs):
+                return None
+            data = precompiled_to_bytes(function)
+        except Exception:  # a graph break, or code that cannot be saved: torch.compile as before
+            return None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}")
+            partial.write_bytes(data)
+            os.replace(partial, path)  # whole or absent for a process reading at the same time
+        except OSError:  # a cache folder we cannot write to: this process still runs what it compiled
+            pass
+        return function
+
+
+def _constant(value: Any) -> str:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    raise TypeError(f"no key for {type(value).__name__}")
+
+
+def _sources_unchanged(function: Any) -> bool:
+    for name, source in precompiled_sources(function):
+        module = sys.modules.get(name)
+        try:
+            if module is None or inspect.getsource(module) != source:
+                return False
+        except (OSError, TypeError):
+            return False
+    return True
+
+
 class _FirstCall:
     """Whether a model's first compiled call trained (train mode, gradients on); None before it. Shared by the
     model's blocks: the first block's call decides for all of them."""
@@ -212,13 +354,19 @@ class _FirstCall:
 
 
 def _compile_in_place(
-    block: torch.nn.Module, options: dict[str, Any], mark_batch: bool, first_call: _FirstCall
+    block: torch.nn.Module,
+    options: dict[str, Any],
+    mark_batch: bool,
+    first_call: _FirstCall,
+    saved: _SavedGraph | None,
 ) -> None:
     # What nn.Module.compile does (the module stays the same object: state_dict keys, hooks and FSDP units keep
     # working), plus marking the batch dimension dynamic before each call, outside the traced code (Dynamo
     # refuses mark_dynamic inside it). A batch of 1 still compiles once more: Dynamo specializes sizes 0 and 1.
     # A model that trained first runs eagerly when it does not train: evaluation would otherwise compile a second
     # graph (Dynamo guards on the grad mode and on ``training``), for a loop that runs far less often.
+    # With ``saved``, a training model's blocks run the graph compiled ahead of time (or loaded from the cache
+    # folder) wherever its guards pass; the rest (a batch of 1, another dtype) is compiled just in time, as before.
     compiled = torch.compile(block._call_impl, **options)
     eager = block._call_impl
 
@@ -226,15 +374,25 @@ def _compile_in_place(
         trains = block.training and torch.is_grad_enabled()
         if first_call.trains is None:
             first_call.trains = trains
+            if trains and saved is not None:
+                saved.prepare(block, args, kwargs)
         elif first_call.trains and not trains:
             return eager(*args, **kwargs)
+        if saved is not None and saved.function is not None:
+            # No batch marking here: the saved graph's guards check that a tensor carries none.
+            if precompiled_guards_pass(saved.function, (block, *args), kwargs):
+                return saved.function(block, *args, **kwargs)
         if mark_batch:
-            for arg in args:
-                if isinstance(arg, torch.Tensor) and arg.dim() > 0:
-                    maybe_mark_dynamic(arg, 0)
+            _mark_batch(args)
         return compiled(*args, **kwargs)
 
     block._compiled_call_impl = call
+
+
+def _mark_batch(args: tuple) -> None:
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            maybe_mark_dynamic(arg, 0)
 
 
 class CompileWatch:
@@ -245,9 +403,16 @@ class CompileWatch:
     ``fabric.setup(..., compile=True)``; read through ``fabric.compile_report()``.
     """
 
-    def __init__(self, name: str, backend: _CountingBackend, regions: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        backend: _CountingBackend,
+        regions: list[str] | None = None,
+        saved: _SavedGraph | None = None,
+    ) -> None:
         self.name = name
         self.regions = regions or []
+        self._saved = saved
         self.calls = 0
         self._backend = backend
         self._graphs_after_first: int | None = None
@@ -289,6 +454,7 @@ class CompileWatch:
         distinct reason), recompiles since the first call (train/eval switches, new shapes), and the compiled
         regions. Other compiled models in the process do not count here."""
         base = {"model": self.name, "compiled": "regional" if self.regions else "whole", "regions": self.regions}
+        base["saved_graph"] = self._saved.source if self._saved is not None else None
         if self._graphs_after_first is None:
             return {**base, "calls": 0, "graphs": 0, "graph_breaks": 0, "recompiles": 0, "break_reasons": []}
         reasons = self._backend.break_reasons

@@ -1,6 +1,8 @@
 """The compile switch: Fabric(compile=...) and setup(..., compile=...), and the report of what the compiler did."""
 
+import importlib
 import json
+import sys
 import warnings
 
 import pytest
@@ -226,6 +228,118 @@ def test_a_second_process_finds_every_graph_in_the_cache_folder_the_first_one_fi
     assert first.get("autograd_cache_miss", 0) >= 1 and first.get("autograd_cache_hit", 0) == 0
     assert second.get("autograd_cache_hit", 0) >= 1 and second.get("autograd_cache_miss", 0) == 0
     assert second.get("fxgraph_cache_miss", 0) == 0
+
+
+TOWERS = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc, self.scale = nn.LayerNorm(8), nn.Linear(8, 8), 1.0
+
+    def forward(self, x):
+        return x + self.scale * self.fc(nn.functional.gelu(self.norm(x)))
+
+
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def train(fabric, model):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(5, 6)).pow(2).mean()
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+"""
+
+SAVED_GRAPH_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from fabriclite import Fabric
+from towers import Tower, train
+eager = train(Fabric(accelerator="cpu"), Tower())
+fabric = Fabric(accelerator="cpu", compile=True)
+compiled = train(fabric, Tower())
+print(json.dumps({"eager": eager, "compiled": compiled, "report": fabric.compile_report()[0]}))
+"""
+
+
+def precompile_supported():
+    from fabriclite.utilities.imports import precompile_supported
+
+    return precompile_supported()
+
+
+@pytest.mark.skipif(not precompile_supported(), reason="torch < 2.13 cannot save a compiled graph")
+def test_a_second_process_loads_the_blocks_graph_the_first_one_saved_and_trains_the_same(tmp_path):
+    (tmp_path / "towers.py").write_text(TOWERS)
+    folder = str(tmp_path / "inductor")
+    runs = [
+        json.loads(
+            run_python(
+                "-c", SAVED_GRAPH_SCRIPT, str(tmp_path), timeout=900, TORCHINDUCTOR_CACHE_DIR=folder
+            ).stdout.splitlines()[-1]
+        )
+        for _ in range(2)
+    ]
+    assert [run["report"]["saved_graph"] for run in runs] == ["compiled", "loaded"]
+    (saved,) = (tmp_path / "inductor" / "fabriclite" / "graphs").iterdir()
+    assert saved.stat().st_size > 0
+    for run in runs:
+        torch.testing.assert_close(run["compiled"], run["eager"], rtol=1e-5, atol=1e-6)
+        assert (run["report"]["graphs"], run["report"]["recompiles"]) == (1, 0)
+    assert runs[1]["compiled"] == runs[0]["compiled"]  # the very kernels the first process compiled
+
+
+@pytest.mark.skipif(not precompile_supported(), reason="torch < 2.13 cannot save a compiled graph")
+def test_a_saved_graph_is_compiled_again_when_the_models_code_or_its_blocks_change(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def towers(source):
+        (tmp_path / "towers.py").write_text(source)
+        sys.modules.pop("towers", None)  # a fresh import of the edited file, as a new process would do
+        return importlib.import_module("towers")
+
+    def run(module, scale=1.0):
+        model = module.Tower()
+        for block in model.blocks:
+            block.scale = scale
+        fabric = Fabric(accelerator="cpu", compile=True)
+        losses = module.train(fabric, model)
+        eager_model = module.Tower()
+        for block in eager_model.blocks:
+            block.scale = scale
+        torch.testing.assert_close(losses, module.train(Fabric(accelerator="cpu"), eager_model), rtol=1e-5, atol=1e-6)
+        return fabric.compile_report()[0]["saved_graph"]
+
+    monkeypatch.delitem(sys.modules, "towers", raising=False)
+    assert run(towers(TOWERS)) == "compiled"
+    # Same class, same attributes, one line of its forward changed: Dynamo's guards would pass the old graph.
+    relu = TOWERS.replace("nn.functional.gelu(self.norm(x))", "torch.relu(self.norm(x))")
+    assert run(towers(relu)) == "compiled"
+    assert run(towers(relu)) == "loaded"
+    assert run(towers(relu), scale=0.5) == "compiled"  # an attribute the graph was specialized on
 
 
 def test_setup_compile_overrides_the_fabric_default():
