@@ -18,7 +18,10 @@ Waiting less on a CPU: Inductor checks in every process which vector instruction
 and load (six child processes that each load libtorch: about a second of CPU here). ``compile_model`` runs that
 check once per cache folder, torch, compiler and CPU, keeps the result in the cache folder, and where every set
 passed tells Inductor so (``cpp.vec_isa_ok``) in every process from the first on, so that the cached graphs, whose
-keys include that setting, keep matching.
+keys include that setting, keep matching. Even with every graph cached, a new process still imports Inductor's
+compiler, hashes torch's sources for the cache keys and traces the block: where torch can save a compiled function
+(2.13 and newer), ``_SavedGraph`` compiles the blocks' graph ahead of time on the first training call, keeps it in
+the cache folder, and later processes load it, as long as the sources it was traced from and its guards still match.
 
 The report counts what the compiler did for one model: each model is compiled through its own ``_CountingBackend``,
 the backend ``torch.compile`` would build from the same arguments, which counts the graphs Dynamo hands it and the
@@ -248,7 +251,7 @@ class _SavedGraph:
     tracing and compiling. Shared by the model's blocks, as Dynamo's graph is.
 
     A saved graph is used only where nothing it was made from changed: the file's name is a hash of torch, Python,
-    the block's class, Inductor's options and the inputs' kinds; every module whose code was traced (the model's
+    the block's class, Inductor's options, the inputs' kinds, the thread count and autocast; every module whose code was traced (the model's
     file, torch's layers) must read exactly as when it was saved; and Dynamo's guards (shapes, dtypes, grad mode,
     the block's attributes such as its number of heads) must pass on the first call. Otherwise the block is compiled
     again and the file replaced. Anything that fails on the way leaves the blocks to ``torch.compile``, as before.
@@ -290,6 +293,9 @@ class _SavedGraph:
                 sorted((name, repr(value)) for name, value in self.backend.inner.config.items()),
                 sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor)),
                 inputs,
+                # Guarded too; in the key so that scripts differing only here keep a graph each.
+                torch.get_num_threads(),
+                torch.is_autocast_enabled("cpu"),
             )
         )
         return Path(inductor_cache_dir(), "fabriclite", "graphs", hashlib.sha256(key.encode()).hexdigest()[:32])
