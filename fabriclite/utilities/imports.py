@@ -131,15 +131,18 @@ def inductor_options(options: dict[str, Any]) -> Any:
 
 def precompile_supported() -> bool:
     """Whether this torch can compile a function ahead of time into bytes that a later process loads instead of
-    compiling (``torch._dynamo.aot_compile``: torch 2.13 and newer; experimental there), with Inductor's caches on.
+    compiling (``torch._dynamo.aot_compile``, experimental), with Inductor's caches on. From torch 2.13, the first
+    torch it was checked on; older ones compile as before.
 
     Usage: ``if precompile_supported(): compiled = precompile(block.forward, (x,), {}, backend)``.
     """
+    if _TORCH_VERSION < (2, 13):
+        return False
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph  # noqa: F401
         from torch._dynamo.hooks import Hooks  # noqa: F401
         from torch._inductor import config
-    except ImportError:  # torch < 2.13
+    except ImportError:  # moved in a newer torch: compile as before
         return False
     needed = ("serialize", "deserialize", "guard_check", "disable_guard_check", "source_info")
     return all(hasattr(AOTCompiledFunction, name) for name in needed) and not config.force_disable_caches
