@@ -65,6 +65,8 @@ from fabriclite.utilities.imports import (
 # After this many forward calls the watch stops: recompiling still then means shapes change every step.
 _WATCHED_CALLS = 8
 _RECOMPILES_BEFORE_WARNING = 3
+# Kinds of inputs (dtypes, whether they need gradients) a class of blocks gets saved graphs for, at most.
+_SAVED_KINDS = 4
 
 
 # fabriclite's own keys in a compile dict, next to torch.compile's arguments.
@@ -122,11 +124,13 @@ def compile_model(
     mark_batch = options.get("dynamic") is None
     names = {id(module): name for name, module in original.named_modules()}
     first_call = _FirstCall()
-    saved = _SavedGraph(backend) if _can_save(options, mark_batch, backend, strategy, blocks) else None
+    # One saved graph per block class (an encoder's blocks and a decoder's are two graphs, as under Dynamo).
+    can_save = _can_save(options, mark_batch, backend, strategy, blocks)
+    saved = {type(block): _SavedGraph(backend) for block in blocks} if can_save else {}
     for block in blocks:
-        _compile_in_place(block, options, mark_batch, first_call, saved)
+        _compile_in_place(block, options, mark_batch, first_call, saved.get(type(block)))
     regions = [names[id(block)] for block in blocks]
-    return forward_module, CompileWatch(type(original).__name__, backend, regions, saved)
+    return forward_module, CompileWatch(type(original).__name__, backend, regions, list(saved.values()))
 
 
 class _CountingBackend:
@@ -241,47 +245,55 @@ def _plain_block(block: torch.nn.Module) -> bool:
     return (
         not module_call_hooks(block)
         and type(block).__call__ is torch.nn.Module.__call__
+        and "forward" not in vars(block)  # the class's forward, which takes the block as its first argument
         and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
     )
 
 
 class _SavedGraph:
-    """The graph of a model's blocks, compiled ahead of time on the first training call and kept in Inductor's
-    cache folder (``fabriclite/graphs/``), so that the next process that trains the same blocks loads it instead of
-    tracing and compiling. Shared by the model's blocks, as Dynamo's graph is.
+    """The graphs of one class of a model's blocks, compiled ahead of time on the training calls that need one and
+    kept in Inductor's cache folder (``fabriclite/graphs/``), so that the next process that trains the same blocks
+    loads them instead of tracing and compiling. Shared by the blocks of the class, as Dynamo's graphs are.
 
     A saved graph is used only where nothing it was made from changed: the file's name is a hash of torch, Python,
-    the block's class, Inductor's options, the inputs' kinds, the thread count and autocast; every module whose code was traced (the model's
-    file, torch's layers) must read exactly as when it was saved; and Dynamo's guards (shapes, dtypes, grad mode,
-    the block's attributes such as its number of heads) must pass on the first call. Otherwise the block is compiled
-    again and the file replaced. Anything that fails on the way leaves the blocks to ``torch.compile``, as before.
+    the block's class, Inductor's options, the kinds of the inputs, the thread count and autocast; every module
+    whose code was traced (the model's file, torch's layers) must read exactly as when it was saved; and Dynamo's
+    guards (shapes, dtypes, grad mode, the block's attributes such as its number of heads) must pass on each call.
+    Otherwise the block is compiled again and the file replaced. A call whose inputs are of a kind seen before but
+    that no saved graph's guards accept (a batch of 1), and anything that fails on the way, is left to
+    ``torch.compile``, as before.
     """
 
     def __init__(self, backend: _CountingBackend) -> None:
         self.backend = backend
-        self.function: Any = None
-        self.source: str | None = None  # "loaded" or "compiled", once prepared
+        self.functions: list[Any] = []
+        self.sources: list[str] = []  # "loaded" or "compiled", one per function
+        self._kinds_seen: set[Any] = set()
 
-    def prepare(self, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Load the saved graph for this first training call, or compile and save it."""
+    def find(self, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The saved graph for this training call (loaded, or compiled and saved, for inputs of a new kind), or
+        None: then the caller compiles just in time."""
+        for function in self.functions:
+            if precompiled_guards_pass(function, (block, *args), kwargs):
+                return function
         try:
-            path = self._path(block, args, kwargs)
-        except (TypeError, ValueError):  # inputs this key cannot name: compile just in time
-            return
-        self.function = self._load(path, block, args, kwargs)
-        if self.function is not None:
-            self.source = "loaded"
-        else:
-            self.function = self._compile_and_save(path, block, args, kwargs)
-            self.source = "compiled" if self.function is not None else None
-        if self.function is not None:
+            kinds = _input_kinds(args, kwargs)
+        except TypeError:  # inputs no key can name
+            return None
+        if kinds in self._kinds_seen or len(self._kinds_seen) >= _SAVED_KINDS:
+            return None
+        self._kinds_seen.add(kinds)
+        path = self._path(block, kinds)
+        function, source = self._load(path, block, args, kwargs), "loaded"
+        if function is None:
+            function, source = self._compile_and_save(path, block, args, kwargs), "compiled"
+        if function is not None:
+            self.functions.append(function)
+            self.sources.append(source)
             self.backend.graphs += 1  # what Dynamo would have handed the backend
+        return function
 
-    def _path(self, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Path:
-        inputs = [
-            (str(a.dtype), a.device.type, a.dim(), a.requires_grad) if isinstance(a, torch.Tensor) else _constant(a)
-            for a in args
-        ] + sorted((name, _constant(value)) for name, value in kwargs.items() if not isinstance(value, torch.Tensor))
+    def _path(self, block: torch.nn.Module, kinds: Any) -> Path:
         key = repr(
             (
                 1,  # this file's format
@@ -291,11 +303,7 @@ class _SavedGraph:
                 type(block).__module__,
                 type(block).__qualname__,
                 sorted((name, repr(value)) for name, value in self.backend.inner.config.items()),
-                sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor)),
-                inputs,
-                # Guarded too; in the key so that scripts differing only here keep a graph each.
-                torch.get_num_threads(),
-                torch.is_autocast_enabled("cpu"),
+                kinds,
             )
         )
         return Path(inductor_cache_dir(), "fabriclite", "graphs", hashlib.sha256(key.encode()).hexdigest()[:32])
@@ -335,10 +343,19 @@ class _SavedGraph:
         return function
 
 
-def _constant(value: Any) -> str:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    raise TypeError(f"no key for {type(value).__name__}")
+def _input_kinds(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    # What a saved graph's key says about a call: each tensor's dtype, device, number of dimensions and whether it
+    # needs gradients, the other arguments' values, and the thread count and autocast (both guarded too: scripts
+    # that differ only there keep a graph each).
+    def kind(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (str(value.dtype), value.device.type, value.dim(), value.requires_grad)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return repr(value)
+        raise TypeError(f"no key for {type(value).__name__}")
+
+    named = tuple(sorted((name, kind(value)) for name, value in kwargs.items()))
+    return tuple(kind(arg) for arg in args), named, torch.get_num_threads(), torch.is_autocast_enabled("cpu")
 
 
 def _sources_unchanged(function: Any) -> bool:
@@ -380,14 +397,13 @@ def _compile_in_place(
         trains = block.training and torch.is_grad_enabled()
         if first_call.trains is None:
             first_call.trains = trains
-            if trains and saved is not None:
-                saved.prepare(block, args, kwargs)
         elif first_call.trains and not trains:
             return eager(*args, **kwargs)
-        if saved is not None and saved.function is not None:
-            # No batch marking here: the saved graph's guards check that a tensor carries none.
-            if precompiled_guards_pass(saved.function, (block, *args), kwargs):
-                return saved.function(block, *args, **kwargs)
+        if saved is not None and first_call.trains:  # a model that trained first, training now
+            # No batch marking before a saved graph: its guards check that a tensor carries none.
+            function = saved.find(block, args, kwargs)
+            if function is not None:
+                return function(block, *args, **kwargs)
         if mark_batch:
             _mark_batch(args)
         return compiled(*args, **kwargs)
@@ -414,11 +430,11 @@ class CompileWatch:
         name: str,
         backend: _CountingBackend,
         regions: list[str] | None = None,
-        saved: _SavedGraph | None = None,
+        saved: list[_SavedGraph] | None = None,
     ) -> None:
         self.name = name
         self.regions = regions or []
-        self._saved = saved
+        self._saved = saved or []
         self.calls = 0
         self._backend = backend
         self._graphs_after_first: int | None = None
@@ -460,7 +476,9 @@ class CompileWatch:
         distinct reason), recompiles since the first call (train/eval switches, new shapes), and the compiled
         regions. Other compiled models in the process do not count here."""
         base = {"model": self.name, "compiled": "regional" if self.regions else "whole", "regions": self.regions}
-        base["saved_graph"] = self._saved.source if self._saved is not None else None
+        # "loaded" where every saved graph was, "compiled" where this process saved one, None for neither.
+        sources = {source for graph in self._saved for source in graph.sources}
+        base["saved_graph"] = "compiled" if "compiled" in sources else "loaded" if sources else None
         if self._graphs_after_first is None:
             return {**base, "calls": 0, "graphs": 0, "graph_breaks": 0, "recompiles": 0, "break_reasons": []}
         reasons = self._backend.break_reasons
