@@ -267,7 +267,7 @@ class _SavedGraph:
     def __init__(self, backend: _CountingBackend) -> None:
         self.backend = backend
         self.functions: list[Any] = []
-        self.sources: list[str] = []  # "loaded" or "compiled", one per function
+        self.origins: list[str] = []  # "loaded" or "compiled", one per function
         self._kinds_seen: set[Any] = set()
 
     def find(self, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -284,12 +284,12 @@ class _SavedGraph:
             return None
         self._kinds_seen.add(kinds)
         path = self._path(block, kinds)
-        function, source = self._load(path, block, args, kwargs), "loaded"
+        function, origin = self._load(path, block, args, kwargs), "loaded"
         if function is None:
-            function, source = self._compile_and_save(path, block, args, kwargs), "compiled"
+            function, origin = self._compile_and_save(path, block, args, kwargs), "compiled"
         if function is not None:
             self.functions.append(function)
-            self.sources.append(source)
+            self.origins.append(origin)
             self.backend.graphs += 1  # what Dynamo would have handed the backend
         return function
 
@@ -388,8 +388,8 @@ def _compile_in_place(
     # refuses mark_dynamic inside it). A batch of 1 still compiles once more: Dynamo specializes sizes 0 and 1.
     # A model that trained first runs eagerly when it does not train: evaluation would otherwise compile a second
     # graph (Dynamo guards on the grad mode and on ``training``), for a loop that runs far less often.
-    # With ``saved``, a training model's blocks run the graph compiled ahead of time (or loaded from the cache
-    # folder) wherever its guards pass; the rest (a batch of 1, another dtype) is compiled just in time, as before.
+    # With ``saved``, a training model's blocks run the graphs compiled ahead of time (or loaded from the cache
+    # folder) wherever their guards pass; the rest (a batch of 1) is compiled just in time, as before.
     compiled = torch.compile(block._call_impl, **options)
     eager = block._call_impl
 
@@ -477,8 +477,8 @@ class CompileWatch:
         regions. Other compiled models in the process do not count here."""
         base = {"model": self.name, "compiled": "regional" if self.regions else "whole", "regions": self.regions}
         # "loaded" where every saved graph was, "compiled" where this process saved one, None for neither.
-        sources = {source for graph in self._saved for source in graph.sources}
-        base["saved_graph"] = "compiled" if "compiled" in sources else "loaded" if sources else None
+        origins = {origin for graph in self._saved for origin in graph.origins}
+        base["saved_graph"] = "compiled" if "compiled" in origins else "loaded" if origins else None
         if self._graphs_after_first is None:
             return {**base, "calls": 0, "graphs": 0, "graph_breaks": 0, "recompiles": 0, "break_reasons": []}
         reasons = self._backend.break_reasons
