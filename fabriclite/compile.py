@@ -32,6 +32,7 @@ Dynamo compiles. It is a diagnosis, not a gate.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import os
@@ -333,13 +334,14 @@ class _SavedGraph:
             data = precompiled_to_bytes(function)
         except Exception:  # a graph break, or code that cannot be saved: torch.compile as before
             return None
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f"{path.name}.{os.getpid()}")
             partial.write_bytes(data)
             os.replace(partial, path)  # whole or absent for a process reading at the same time
-        except OSError:  # a cache folder we cannot write to: this process still runs what it compiled
-            pass
+        except OSError:  # a cache folder we cannot write to (or a full disk): this process runs what it compiled
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
         return function
 
 
