@@ -18,7 +18,10 @@ Waiting less on a CPU: Inductor checks in every process which vector instruction
 and load (six child processes that each load libtorch: about a second of CPU here). ``compile_model`` runs that
 check once per cache folder, torch, compiler and CPU, keeps the result in the cache folder, and where every set
 passed tells Inductor so (``cpp.vec_isa_ok``) in every process from the first on, so that the cached graphs, whose
-keys include that setting, keep matching.
+keys include that setting, keep matching. Even with every graph cached, a new process still imports Inductor's
+compiler, hashes torch's sources for the cache keys and traces the block: where torch can save a compiled function
+(2.13 and newer), ``_SavedGraph`` compiles the blocks' graph ahead of time on the first training call, keeps it in
+the cache folder, and later processes load it, as long as the sources it was traced from and its guards still match.
 
 The report counts what the compiler did for one model: each model is compiled through its own ``_CountingBackend``,
 the backend ``torch.compile`` would build from the same arguments, which counts the graphs Dynamo hands it and the
@@ -29,9 +32,11 @@ Dynamo compiles. It is a diagnosis, not a gate.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -44,14 +49,25 @@ from fabriclite.utilities.imports import (
     current_compile_id,
     default_compile_backend,
     inductor_cache_dir,
+    inductor_options,
     inductor_vec_isa_all_pass,
     inductor_vec_isa_fingerprint,
+    is_inductor_backend,
     maybe_mark_dynamic,
+    module_call_hooks,
+    precompile,
+    precompile_supported,
+    precompiled_from_bytes,
+    precompiled_guards_pass,
+    precompiled_sources,
+    precompiled_to_bytes,
 )
 
 # After this many forward calls the watch stops: recompiling still then means shapes change every step.
 _WATCHED_CALLS = 8
 _RECOMPILES_BEFORE_WARNING = 3
+# Kinds of inputs (dtypes, whether they need gradients) a class of blocks gets saved graphs for, at most.
+_SAVED_KINDS = 4
 
 
 # fabriclite's own keys in a compile dict, next to torch.compile's arguments.
@@ -109,9 +125,13 @@ def compile_model(
     mark_batch = options.get("dynamic") is None
     names = {id(module): name for name, module in original.named_modules()}
     first_call = _FirstCall()
+    # One saved graph per block class (an encoder's blocks and a decoder's are two graphs, as under Dynamo).
+    can_save = _can_save(options, mark_batch, backend, strategy, blocks)
+    saved = {type(block): _SavedGraph(backend) for block in blocks} if can_save else {}
     for block in blocks:
-        _compile_in_place(block, options, mark_batch, first_call)
-    return forward_module, CompileWatch(type(original).__name__, backend, [names[id(block)] for block in blocks])
+        _compile_in_place(block, options, mark_batch, first_call, saved.get(type(block)))
+    regions = [names[id(block)] for block in blocks]
+    return forward_module, CompileWatch(type(original).__name__, backend, regions, list(saved.values()))
 
 
 class _CountingBackend:
@@ -204,6 +224,153 @@ def _regions(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [block for block in repeated_blocks(module) if next(block.children(), None) is not None]
 
 
+def _can_save(
+    options: dict[str, Any], mark_batch: bool, backend: _CountingBackend, strategy: Any, blocks: list[torch.nn.Module]
+) -> bool:
+    # Where the saved graph is known to be the graph Dynamo would compile: Inductor with its default arguments
+    # (mode and options taken), one process on a CPU, blocks without hooks of their own (their forward is all
+    # that runs) and with plain tensors (no DTensor, no FSDP).
+    return (
+        set(options) <= {"backend", "fullgraph", "name"}
+        and mark_batch
+        and is_inductor_backend(backend.inner)
+        and strategy.root_device.type == "cpu"
+        and getattr(strategy, "world_size", 1) == 1
+        and all(_plain_block(block) for block in blocks)
+        and precompile_supported()
+    )
+
+
+def _plain_block(block: torch.nn.Module) -> bool:
+    tensors = list(block.parameters()) + list(block.buffers())
+    return (
+        not module_call_hooks(block)
+        and type(block).__call__ is torch.nn.Module.__call__
+        and "forward" not in vars(block)  # the class's forward, which takes the block as its first argument
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    )
+
+
+class _SavedGraph:
+    """The graphs of one class of a model's blocks, compiled ahead of time on the training calls that need one and
+    kept in Inductor's cache folder (``fabriclite/graphs/``), so that the next process that trains the same blocks
+    loads them instead of tracing and compiling. Shared by the blocks of the class, as Dynamo's graphs are.
+
+    A saved graph is used only where nothing it was made from changed: the file's name is a hash of torch, Python,
+    the block's class, Inductor's options, the kinds of the inputs, the thread count and autocast; every module
+    whose code was traced (the model's file, torch's layers) must read exactly as when it was saved; and Dynamo's
+    guards (shapes, dtypes, grad mode, the block's attributes such as its number of heads) must pass on each call.
+    Otherwise the block is compiled again and the file replaced. A call whose inputs are of a kind seen before but
+    that no saved graph's guards accept (a batch of 1), and anything that fails on the way, is left to
+    ``torch.compile``, as before.
+    """
+
+    def __init__(self, backend: _CountingBackend) -> None:
+        self.backend = backend
+        self.functions: list[Any] = []
+        self.origins: list[str] = []  # "loaded" or "compiled", one per function
+        self._kinds_seen: set[Any] = set()
+
+    def find(self, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The saved graph for this training call (loaded, or compiled and saved, for inputs of a new kind), or
+        None: then the caller compiles just in time."""
+        for function in self.functions:
+            if precompiled_guards_pass(function, (block, *args), kwargs):
+                return function
+        try:
+            kinds = _input_kinds(args, kwargs)
+        except TypeError:  # inputs no key can name
+            return None
+        if kinds in self._kinds_seen or len(self._kinds_seen) >= _SAVED_KINDS:
+            return None
+        self._kinds_seen.add(kinds)
+        path = self._path(block, kinds)
+        function, origin = self._load(path, block, args, kwargs), "loaded"
+        if function is None:
+            function, origin = self._compile_and_save(path, block, args, kwargs), "compiled"
+        if function is not None:
+            self.functions.append(function)
+            self.origins.append(origin)
+            self.backend.graphs += 1  # what Dynamo would have handed the backend
+        return function
+
+    def _path(self, block: torch.nn.Module, kinds: Any) -> Path:
+        key = repr(
+            (
+                1,  # this file's format
+                torch.__version__,
+                torch.__file__,
+                sys.version,
+                type(block).__module__,
+                type(block).__qualname__,
+                sorted((name, repr(value)) for name, value in self.backend.inner.config.items()),
+                kinds,
+            )
+        )
+        return Path(inductor_cache_dir(), "fabriclite", "graphs", hashlib.sha256(key.encode()).hexdigest()[:32])
+
+    def _load(self, path: Path, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            with inductor_options(self.backend.inner.config):
+                function = precompiled_from_bytes(data, type(block).forward.__globals__)
+            if not _sources_unchanged(function) or not precompiled_guards_pass(function, (block, *args), kwargs):
+                return None
+        except Exception:  # a file another torch or a broken write left: compile again
+            return None
+        return function
+
+    def _compile_and_save(self, path: Path, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        _mark_batch(args)  # saved graphs are made only where the batch dimension is dynamic (no ``dynamic`` given)
+        try:
+            function = precompile(block.forward, args, kwargs, self.backend.inner)
+            if not any(name == type(block).__module__ for name, _ in precompiled_sources(function)):
+                return None  # the block's own code has no source to check later (defined in a string)
+            if not precompiled_guards_pass(function, (block, *args), kwargs):
+                return None
+            data = precompiled_to_bytes(function)
+        except Exception:  # a graph break, or code that cannot be saved: torch.compile as before
+            return None
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_bytes(data)
+            os.replace(partial, path)  # whole or absent for a process reading at the same time
+        except OSError:  # a cache folder we cannot write to (or a full disk): this process runs what it compiled
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+        return function
+
+
+def _input_kinds(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    # What a saved graph's key says about a call: each tensor's dtype, device, number of dimensions and whether it
+    # needs gradients, the other arguments' values, and the thread count and autocast (both guarded too: scripts
+    # that differ only there keep a graph each).
+    def kind(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (str(value.dtype), value.device.type, value.dim(), value.requires_grad)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return repr(value)
+        raise TypeError(f"no key for {type(value).__name__}")
+
+    named = tuple(sorted((name, kind(value)) for name, value in kwargs.items()))
+    return tuple(kind(arg) for arg in args), named, torch.get_num_threads(), torch.is_autocast_enabled("cpu")
+
+
+def _sources_unchanged(function: Any) -> bool:
+    for name, source in precompiled_sources(function):
+        module = sys.modules.get(name)
+        try:
+            if module is None or inspect.getsource(module) != source:
+                return False
+        except (OSError, TypeError):
+            return False
+    return True
+
+
 class _FirstCall:
     """Whether a model's first compiled call trained (train mode, gradients on); None before it. Shared by the
     model's blocks: the first block's call decides for all of them."""
@@ -212,13 +379,19 @@ class _FirstCall:
 
 
 def _compile_in_place(
-    block: torch.nn.Module, options: dict[str, Any], mark_batch: bool, first_call: _FirstCall
+    block: torch.nn.Module,
+    options: dict[str, Any],
+    mark_batch: bool,
+    first_call: _FirstCall,
+    saved: _SavedGraph | None,
 ) -> None:
     # What nn.Module.compile does (the module stays the same object: state_dict keys, hooks and FSDP units keep
     # working), plus marking the batch dimension dynamic before each call, outside the traced code (Dynamo
     # refuses mark_dynamic inside it). A batch of 1 still compiles once more: Dynamo specializes sizes 0 and 1.
     # A model that trained first runs eagerly when it does not train: evaluation would otherwise compile a second
     # graph (Dynamo guards on the grad mode and on ``training``), for a loop that runs far less often.
+    # With ``saved``, a training model's blocks run the graphs compiled ahead of time (or loaded from the cache
+    # folder) wherever their guards pass; the rest (a batch of 1) is compiled just in time, as before.
     compiled = torch.compile(block._call_impl, **options)
     eager = block._call_impl
 
@@ -228,13 +401,22 @@ def _compile_in_place(
             first_call.trains = trains
         elif first_call.trains and not trains:
             return eager(*args, **kwargs)
+        if saved is not None and first_call.trains:  # a model that trained first, training now
+            # No batch marking before a saved graph: its guards check that a tensor carries none.
+            function = saved.find(block, args, kwargs)
+            if function is not None:
+                return function(block, *args, **kwargs)
         if mark_batch:
-            for arg in args:
-                if isinstance(arg, torch.Tensor) and arg.dim() > 0:
-                    maybe_mark_dynamic(arg, 0)
+            _mark_batch(args)
         return compiled(*args, **kwargs)
 
     block._compiled_call_impl = call
+
+
+def _mark_batch(args: tuple) -> None:
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            maybe_mark_dynamic(arg, 0)
 
 
 class CompileWatch:
@@ -245,9 +427,16 @@ class CompileWatch:
     ``fabric.setup(..., compile=True)``; read through ``fabric.compile_report()``.
     """
 
-    def __init__(self, name: str, backend: _CountingBackend, regions: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        backend: _CountingBackend,
+        regions: list[str] | None = None,
+        saved: list[_SavedGraph] | None = None,
+    ) -> None:
         self.name = name
         self.regions = regions or []
+        self._saved = saved or []
         self.calls = 0
         self._backend = backend
         self._graphs_after_first: int | None = None
@@ -289,6 +478,9 @@ class CompileWatch:
         distinct reason), recompiles since the first call (train/eval switches, new shapes), and the compiled
         regions. Other compiled models in the process do not count here."""
         base = {"model": self.name, "compiled": "regional" if self.regions else "whole", "regions": self.regions}
+        # "loaded" where every saved graph was, "compiled" where this process saved one, None for neither.
+        origins = {origin for graph in self._saved for origin in graph.origins}
+        base["saved_graph"] = "compiled" if "compiled" in origins else "loaded" if origins else None
         if self._graphs_after_first is None:
             return {**base, "calls": 0, "graphs": 0, "graph_breaks": 0, "recompiles": 0, "break_reasons": []}
         reasons = self._backend.break_reasons

@@ -1,6 +1,8 @@
 """The compile switch: Fabric(compile=...) and setup(..., compile=...), and the report of what the compiler did."""
 
+import importlib
 import json
+import sys
 import warnings
 
 import pytest
@@ -202,30 +204,126 @@ def test_the_vector_instruction_option_is_only_given_to_inductor_on_a_cpu_and_ne
         assert "cpp.vec_isa_ok" not in _CountingBackend({}, torch.device("cpu")).inner.config
 
 
+TOWERS = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc, self.scale = nn.LayerNorm(8), nn.Linear(8, 8), 1.0
+
+    def forward(self, x):
+        return x + self.scale * self.fc(nn.functional.gelu(self.norm(x)))
+
+
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def train(fabric, model):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(5, 6)).pow(2).mean()
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+"""
+
 WARM_SCRIPT = """
-import json, torch
+import json, sys, torch
 from torch._dynamo.utils import counters
+sys.path.insert(0, sys.argv[1])
 from fabriclite import Fabric
+from towers import Tower, train
 fabric = Fabric(accelerator="cpu", compile=True)
 model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3)))
 model(torch.randn(5, 6)).sum().backward()
-print(json.dumps({**counters["inductor"], **counters["aot_autograd"]}))
+cached = {**counters["inductor"], **counters["aot_autograd"]}
+eager = train(Fabric(accelerator="cpu"), Tower())
+compiled = train(fabric, Tower())
+print(json.dumps({"cached": cached, "eager": eager, "compiled": compiled, "report": fabric.compile_report()[1]}))
 """
 
 
-def test_a_second_process_finds_every_graph_in_the_cache_folder_the_first_one_filled(tmp_path):
-    # Two real processes sharing one empty Inductor cache folder: the vector instruction option must be the same in
-    # both (it is part of each cached graph's key), or the second process would compile everything again.
+def precompile_supported():
+    from fabriclite.utilities.imports import precompile_supported
+
+    return precompile_supported()
+
+
+def test_a_second_process_finds_every_graph_the_first_one_left_in_the_cache_folder_and_trains_the_same(tmp_path):
+    # Two real processes sharing one empty Inductor cache folder. A whole model: the vector instruction option must
+    # be the same in both (it is part of each cached graph's key), or the second process would compile everything
+    # again. A model with blocks: where torch can save a compiled graph, the second process loads the blocks' graph.
+    (tmp_path / "towers.py").write_text(TOWERS)
     folder = str(tmp_path / "inductor")
-    first = json.loads(
-        run_python("-c", WARM_SCRIPT, timeout=900, TORCHINDUCTOR_CACHE_DIR=folder).stdout.splitlines()[-1]
+    first, second = (
+        json.loads(
+            run_python(
+                "-c", WARM_SCRIPT, str(tmp_path), timeout=900, TORCHINDUCTOR_CACHE_DIR=folder
+            ).stdout.splitlines()[-1]
+        )
+        for _ in range(2)
     )
-    second = json.loads(
-        run_python("-c", WARM_SCRIPT, timeout=900, TORCHINDUCTOR_CACHE_DIR=folder).stdout.splitlines()[-1]
-    )
-    assert first.get("autograd_cache_miss", 0) >= 1 and first.get("autograd_cache_hit", 0) == 0
-    assert second.get("autograd_cache_hit", 0) >= 1 and second.get("autograd_cache_miss", 0) == 0
-    assert second.get("fxgraph_cache_miss", 0) == 0
+    assert first["cached"].get("autograd_cache_miss", 0) >= 1 and first["cached"].get("autograd_cache_hit", 0) == 0
+    assert second["cached"].get("autograd_cache_hit", 0) >= 1 and second["cached"].get("autograd_cache_miss", 0) == 0
+    assert second["cached"].get("fxgraph_cache_miss", 0) == 0
+    saved = ["compiled", "loaded"] if precompile_supported() else [None, None]
+    assert [first["report"]["saved_graph"], second["report"]["saved_graph"]] == saved
+    for run in (first, second):
+        torch.testing.assert_close(run["compiled"], run["eager"], rtol=1e-5, atol=1e-6)
+        assert (run["report"]["graphs"], run["report"]["recompiles"]) == (1, 0)
+    assert second["compiled"] == first["compiled"]  # the very kernels the first process compiled
+
+
+@pytest.mark.torch_versions
+@pytest.mark.skipif(not precompile_supported(), reason="fabriclite saves compiled graphs from torch 2.13 on")
+def test_a_saved_graph_is_compiled_again_when_the_models_code_or_its_blocks_change(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def towers(source):
+        (tmp_path / "towers.py").write_text(source)
+        sys.modules.pop("towers", None)  # a fresh import of the edited file, as a new process would do
+        return importlib.import_module("towers")
+
+    def run(module, scale=1.0, single=False):
+        compiled, eager = module.Tower(), module.Tower()
+        for block in [*compiled.blocks, *eager.blocks]:
+            block.scale = scale
+        fabric = Fabric(accelerator="cpu", compile=True)
+        losses = module.train(fabric, compiled)
+        torch.testing.assert_close(losses, module.train(Fabric(accelerator="cpu"), eager), rtol=1e-5, atol=1e-6)
+        if single:  # a batch of 1: the saved graph's guards refuse it (Dynamo specializes size 1), compiled anew
+            x = torch.randn(1, 6)
+            torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-6)
+            assert fabric.compile_report()[0]["recompiles"] == 1
+        return fabric.compile_report()[0]["saved_graph"]
+
+    monkeypatch.setitem(sys.modules, "towers", None)  # removed again after the test
+    assert run(towers(TOWERS)) == "compiled"
+    # Same class, same attributes, one line of its forward changed: Dynamo's guards would pass the old graph.
+    relu = TOWERS.replace("nn.functional.gelu(self.norm(x))", "torch.relu(self.norm(x))")
+    assert run(towers(relu)) == "compiled"
+    assert run(towers(relu), single=True) == "loaded"
+    assert run(towers(relu), scale=0.5) == "compiled"  # an attribute the graph was specialized on
 
 
 def test_setup_compile_overrides_the_fabric_default():

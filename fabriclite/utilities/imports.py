@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import platform
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -112,6 +113,99 @@ def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     Usage: ``maybe_mark_dynamic(batch, 0)`` before calling a compiled function, outside the traced code.
     """
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def is_inductor_backend(backend: Any) -> bool:
+    """Whether ``backend`` (from ``compile_backend``) is Inductor compiling just in time, as ``torch.compile``'s
+    default. Usage: ``if is_inductor_backend(inner): ...``."""
+    return type(backend) is torch._TorchCompileInductorWrapper
+
+
+def inductor_options(options: dict[str, Any]) -> Any:
+    """A context in which Inductor's settings are ``options`` (``{"cpp.vec_isa_ok": True}``), as while it compiles
+    with them. Usage: ``with inductor_options(backend.config): load()``."""
+    from torch._inductor import config
+
+    return config.patch(options)
+
+
+def precompile_supported() -> bool:
+    """Whether this torch can compile a function ahead of time into bytes that a later process loads instead of
+    compiling (``torch._dynamo.aot_compile``, experimental), with Inductor's caches on. From torch 2.13, the first
+    torch it was checked on; older ones compile as before.
+
+    Usage: ``if precompile_supported(): compiled = precompile(block.forward, (x,), {}, backend)``.
+    """
+    if _TORCH_VERSION < (2, 13):
+        return False
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph  # noqa: F401
+        from torch._dynamo.hooks import Hooks  # noqa: F401
+        from torch._inductor import config
+    except ImportError:  # moved in a newer torch: compile as before
+        return False
+    needed = ("serialize", "deserialize", "guard_check", "disable_guard_check", "source_info")
+    return all(hasattr(AOTCompiledFunction, name) for name in needed) and not config.force_disable_caches
+
+
+def precompile(method: Callable[..., Any], args: tuple, kwargs: dict[str, Any], backend: Any) -> Any:
+    """Trace ``method`` (a module's bound ``forward``) whole on ``args`` and compile it with ``backend``: a function
+    to call as ``compiled(module, *args)`` once ``precompiled_guards_pass`` says the inputs are those it was compiled
+    for. Raises where the method has a graph break or the compiled code cannot be saved.
+
+    Usage: ``compiled = precompile(block.forward, (x,), {}, backend)``.
+    """
+    from torch._dynamo.aot_compile import aot_compile_fullgraph
+    from torch._dynamo.hooks import Hooks
+
+    with warnings.catch_warnings():
+        # Saving the guards reads ``.grad`` of every input, a non-leaf activation's too; torch warns about that.
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        compiled = aot_compile_fullgraph(method, (tuple(args), dict(kwargs)), hooks=Hooks(), backend=backend)
+    compiled.disable_guard_check()  # the caller checks once, before choosing it
+    return compiled
+
+
+def precompiled_to_bytes(compiled: Any) -> bytes:
+    """What ``precompile`` made, as bytes for ``precompiled_from_bytes``. Usage: ``path.write_bytes(...)``."""
+    return type(compiled).serialize(compiled).serialized_data
+
+
+def precompiled_from_bytes(data: bytes, module_globals: dict[str, Any]) -> Any:
+    """Load what ``precompiled_to_bytes`` wrote; ``module_globals``: those of the traced method's module.
+
+    Usage: ``compiled = precompiled_from_bytes(path.read_bytes(), type(block).forward.__globals__)``.
+    """
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    compiled = AOTCompiledFunction.deserialize(data, f_globals=module_globals)
+    compiled.disable_guard_check()
+    return compiled
+
+
+def precompiled_sources(compiled: Any) -> list[tuple[str, str]]:
+    """(module name, the module's whole source) of every module whose code ``compiled`` was traced from.
+
+    Usage: ``all(inspect.getsource(sys.modules[name]) == source for name, source in precompiled_sources(c))``.
+    """
+    return [(source.module, source.content) for source in compiled.source_info().inlined_sources]
+
+
+def precompiled_guards_pass(compiled: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether ``compiled`` was compiled for inputs like these (``args`` starting with the module): Dynamo's guards
+    on shapes, dtypes, grad mode, the module's attributes. Usage: ``precompiled_guards_pass(c, (block, x), {})``."""
+    return bool(compiled.guard_check(*args, **kwargs))
+
+
+def module_call_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks around its ``forward`` (its own forward and backward hooks, or the
+    global ones every module runs). Usage: ``if not module_call_hooks(block): compile(block.forward)``."""
+    from torch.nn.modules import module as nn_module
+
+    own = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
+    shared = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks)
+    shared += (nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks)
+    return any(own) or any(shared)
 
 
 def reset_compiler() -> None:
