@@ -12,7 +12,7 @@ import torch
 from helpers import ROOT, python_env
 from torch.distributed.checkpoint import FileSystemReader
 
-from fabriclite.utilities.imports import TORCH_FLOOR, check_torch_version, dcp_metadata_path
+from fabriclite.utilities.imports import TORCH_FLOOR, check_torch_version, dcp_metadata_path, traced_triton_launch
 
 pytestmark = pytest.mark.torch_versions  # also run on the other torch versions CI tests
 FLOOR = ".".join(map(str, TORCH_FLOOR))
@@ -59,3 +59,19 @@ def test_the_dcp_metadata_file_is_found_with_or_without_torchs_own_helper(tmp_pa
         path = str(tmp_path)
 
     assert dcp_metadata_path(OlderReader(), None) == Path(tmp_path) / ".metadata"
+
+
+def test_a_kernel_launch_goes_into_a_graph_only_while_compile_traces_it():
+    # torch leaves wrap_triton's switch on outside any trace, and torch 2.8 to 2.12 refuse the interpreter's kernels
+    # there: a launch on a real tensor (a parameter too) goes straight to the kernel.
+    from torch._library.triton import set_wrap_triton_enabled
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = torch.randn(3)
+    assert not traced_triton_launch(real)
+    assert not traced_triton_launch(torch.nn.Parameter(real))
+    with FakeTensorMode():
+        fake = torch.randn(3)
+    assert traced_triton_launch(fake)
+    with set_wrap_triton_enabled(False):  # what a triton_op's eager call does
+        assert not traced_triton_launch(fake)
