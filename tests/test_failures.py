@@ -1,5 +1,5 @@
 """What a rank that failed tells its supervisor (fabriclite/processes/failures.py): the exception that ended it,
-when, and from which checkpoint; which rank failed first; whether a failure is the last attempt's over again. The
+when, and from which checkpoint; which rank failed first; whether a failure is an earlier attempt's over again. The
 supervisor acting on it, with real ranks, is in test_long_runs.py."""
 
 import json

@@ -255,8 +255,25 @@ def test_a_failure_that_repeats_at_the_same_step_is_not_restarted_again_and_the_
     raised = "rank 1 exited with code 1 (ValueError: this batch cannot be trained on)"
     assert f"fabriclite: {raised}; stopping every rank and starting them again (restart 1 of 3)." in output
     assert (
-        f"fabriclite: {raised} again: the same failure as in the last attempt, with no checkpoint of the run saved in "
+        f"fabriclite: {raised} again: the same failure as in an earlier attempt, with no checkpoint of the run saved in "
         "between (its newest is still save number 1). Restarting would only repeat it, so every rank is stopped (2 of "
         "--max-restarts 3 left unused)." in output
     ), output[-3000:]
     assert "attempt 1 resumed at step 5" in output and "attempt 2" not in output
+
+
+def test_a_failure_alternating_with_another_is_stopped_at_its_second_time(tmp_path):
+    # Rank 1 raises A, then B, then A again at step 7, with no checkpoint in between: the third attempt repeats the
+    # first's, so the last restart is left unused.
+    result = run_python(
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--max-restarts", "3",
+        str(SCRIPTS / "fails_at_step.py"), "alternating", str(tmp_path), check=False, timeout=TIMEOUT,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "(ValueError: nor can this one); stopping every rank and starting them again (restart 2 of 3)." in output
+    assert "(ValueError: this batch cannot be trained on) again: the same failure as in an earlier attempt" in output, (
+        output[-3000:]
+    )
+    assert "(1 of --max-restarts 3 left unused)" in output
+    assert "attempt 2 resumed at step 5" in output and "attempt 3" not in output

@@ -1,5 +1,5 @@
 """What a rank that failed tells the supervisor that started it, and what the supervisor makes of it: which rank
-failed first, and whether a failure is the last attempt's over again (as torchelastic's agent reads the error file
+failed first, and whether a failure is an earlier attempt's over again (as torchelastic's agent reads the error file
 each worker writes, and names the earliest failure the root cause).
 
 - **The rank** (``record``, at ``Fabric`` creation): when ``FAILURE_FILE_ENV`` names a file, an exception that ends
@@ -8,9 +8,9 @@ each worker writes, and names the earliest failure the root cause).
 - **The supervisor** (``read``, ``first``, ``repeats``): a rank killed by a signal failed first (its siblings' errors
   follow from it), then one that exited without a record (``sys.exit``, or before its ``Fabric`` existed), then the
   earliest recorded exception: a rank whose peer died fails in the collective it was in, moments after the peer
-  raised. A failure repeats when the rank named had failed in the last attempt too (named then or not: when every
+  raised. A failure repeats when the rank named had failed in an earlier attempt too (named then or not: when every
   rank raises it, which one comes first may change) with the same exception and message, from the same checkpoint:
-  restarting would only do it again.
+  restarting would only do it again (a failure alternating with another, A, B, A, is caught at its second A).
 
 Usage: ``record(checkpointer.last_sequence)`` in a rank; ``first([read(path, rank, code), ...])`` in the
 supervisor.
@@ -131,8 +131,8 @@ def first(failures: list[Failure]) -> Failure:
 
 
 def repeats(failure: Failure, previous: list[Failure]) -> bool:
-    """Whether ``failure`` is the last attempt's over again: an exception recorded the same (type, message), on a
-    rank that failed so in the last attempt (``previous``, its failures), from the same checkpoint."""
+    """Whether ``failure`` is an earlier attempt's over again: an exception recorded the same (type, message), on a
+    rank that failed so in an earlier attempt (``previous``, their failures), from the same checkpoint."""
     if failure.error is None:
         return False
     return any(

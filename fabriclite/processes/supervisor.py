@@ -8,7 +8,7 @@ node restarts the ranks of every node together.
 - When a rank dies (an error, a signal, the OOM killer), every rank is stopped and the whole group starts again
   on a fresh port, up to ``max_restarts`` times, each restart said in one line naming the rank that failed first
   and how (``failures``: each rank writes the exception that ended it to a file of this supervisor's). A failure
-  that repeats the last attempt's, with no checkpoint saved in between, is not restarted: the run ends, saying so.
+  that repeats an earlier attempt's, with no checkpoint saved in between, is not restarted: the run ends, saying so.
   The script resumes itself: ``fabric.load_latest(folder, state)`` at its top. ``FABRICLITE_RESTART_COUNT`` tells
   it which attempt it is.
 - SIGTERM and SIGUSR1 (a preemption notice) are passed to every rank and end the restarts; once the ranks have
@@ -121,7 +121,7 @@ class Supervisor:
         self.signals: list[int] = []  # received, in order; one within SAME_NOTICE_S of the first is the same one
         self._first_signal_at = 0.0
         self.notice = 0  # the preemption notice this run got, here or on another node
-        self.failures: list[Failure] = []  # the last attempt's, on every node: is the next one the same again?
+        self.failures: list[Failure] = []  # every earlier attempt's, on every node: is the next one the same again?
         self._records = ""  # the folder where each rank writes the exception that ended it (``failures``)
 
     def run(self) -> int:
@@ -218,7 +218,7 @@ class Supervisor:
 
     def _after_failure(self, attempt: int, here: bool) -> int | None:
         """Stop every rank (on every node) after a rank died (``here``: on this node): the exit code of the rank that
-        failed first, or None to start the group again. A failure that repeats the last attempt's ends the run."""
+        failed first, or None to start the group again. A failure that repeats an earlier attempt's ends the run."""
         codes = self._codes_after_a_failure() if here else [rank.poll() for rank in self.ranks]
         start = self.node_rank * self.processes
         failures = [
@@ -233,11 +233,11 @@ class Supervisor:
         else:
             failure = first(failures)
             who = failure.describe()
-        previous, self.failures = self.failures, failures
+        previous, self.failures = self.failures, self.failures + failures
         if attempt < self.max_restarts and repeats(failure, previous):
             newest = f"its newest is still save number {failure.progress}" if failure.progress else "it has none yet"
             say(
-                f"{who} again: the same failure as in the last attempt, with no checkpoint of the run saved in between "
+                f"{who} again: the same failure as in an earlier attempt, with no checkpoint of the run saved in between "
                 f"({newest}). Restarting would only repeat it, so every rank is stopped "
                 f"({self.max_restarts - attempt} of --max-restarts {self.max_restarts} left unused)."
             )

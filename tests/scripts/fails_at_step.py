@@ -1,9 +1,10 @@
 """Started by `fabriclite run --devices 2 --max-restarts N` in tests/test_long_runs.py: a run whose rank 1 raises
-the same error at the same step of every attempt (MODE "same"), or at a later step after a new checkpoint in
-each attempt (MODE "later"), while rank 0 is in a collective with it (and fails on the closed connection).
+the same error at the same step of every attempt (MODE "same"), two errors by turns at that step (MODE
+"alternating"), or at a later step after a new checkpoint in each attempt (MODE "later"), while rank 0 is in a
+collective with it (and fails on the closed connection).
 
 Saves every 5 steps; rank 1 raises at step 7 (+ 5 per attempt with MODE "later").
-Usage: ``fabriclite run --accelerator cpu --devices 2 --max-restarts N fails_at_step.py same|later FOLDER``.
+Usage: ``fabriclite run --accelerator cpu --devices 2 --max-restarts N fails_at_step.py same|alternating|later FOLDER``.
 """
 
 import os
@@ -20,11 +21,13 @@ fabric.launch()
 state = {"step": 0}
 resumed = fabric.load_latest(folder, state)
 fabric.print(f"attempt {os.environ['FABRICLITE_RESTART_COUNT']} resumed at step {state['step']}", flush=True)
-fail_at = 7 + (5 * int(os.environ["FABRICLITE_RESTART_COUNT"]) if mode == "later" else 0)
+attempt = int(os.environ["FABRICLITE_RESTART_COUNT"])
+fail_at = 7 + (5 * attempt if mode == "later" else 0)
+error = "this batch cannot be trained on" if mode != "alternating" or attempt % 2 == 0 else "nor can this one"
 while state["step"] < 30:
     state["step"] += 1
     if fabric.global_rank == 1 and state["step"] == fail_at:
-        raise ValueError("this batch cannot be trained on")
+        raise ValueError(error)
     fabric.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, and fails once it is gone
     if state["step"] % 5 == 0:
         fabric.save(folder / f"step-{state['step']:03d}.ckpt", state)
