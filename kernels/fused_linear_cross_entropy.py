@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from fabriclite.kernels import fused_cross_entropy
 from fabriclite.kernels._common import as_rows, cast, check_dtypes, library_op
 from fabriclite.kernels._linear_cross_entropy_kernels import fold, overwrite_with_gradient
+from fabriclite.utilities.imports import addmm_out_dtype_supported
 
 _REDUCTIONS = ("mean", "sum", "none")
 # Vocabulary columns per chunk; None picks _chunk_cols(). Tests lower it to run many chunks on small shapes.
@@ -134,11 +135,7 @@ def _add_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp3
 def _fp32_out(device: torch.device) -> bool:
     """Whether ``torch.addmm(..., out_dtype=torch.float32)`` adds a bf16/fp16 product into an fp32 tensor directly:
     CUDA-only, Ampere and newer, and newer than our oldest supported torch."""
-    return (
-        device.type == "cuda"
-        and hasattr(torch.ops.aten.addmm, "dtype_out")
-        and torch.cuda.get_device_capability(device)[0] >= 8
-    )
+    return device.type == "cuda" and addmm_out_dtype_supported() and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _forward_and_gradients(

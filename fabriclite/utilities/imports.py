@@ -215,6 +215,15 @@ def reset_compiler() -> None:
         dynamo.reset()
 
 
+def addmm_out_dtype_supported() -> bool:
+    """Whether ``torch.addmm`` takes ``out_dtype`` (adding a bf16/fp16 product into an fp32 tensor in one GEMM on
+    CUDA): not every supported torch has it, so its presence is checked.
+
+    Usage: ``if addmm_out_dtype_supported(): torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)``.
+    """
+    return hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
 def traced_triton_launch(tensor: torch.Tensor) -> bool:
     """True when a Triton kernel launched on ``tensor`` must go through ``torch.library.wrap_triton`` to land in a
     graph: torch.compile is tracing the body of a ``torch.library.triton_op`` (the tensor is a fake or functional one
