@@ -244,6 +244,24 @@ def test_a_value_that_cannot_be_copied_is_refused_at_the_call_naming_its_key(fab
     assert fabric.load_latest(tmp_path, {"step": 0}) == tmp_path / "step-2.ckpt"
 
 
+def test_every_piece_of_the_copy_lands_once_and_a_piece_that_fails_on_any_thread_is_reported():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fabriclite.checkpoint.staging import Copies
+
+    sources = [torch.full((1000,), float(k)) for k in range(40)]
+    hosts = [torch.zeros(1000) for _ in sources]
+    with ThreadPoolExecutor(2) as helpers:
+        copies = Copies(zip(hosts, sources))
+        copies.helpers = [helpers.submit(copies.take) for _ in range(2)]
+        copies.finish()  # the loop's thread takes what is left, then waits for the helpers
+        assert all(torch.equal(host, source) for host, source in zip(hosts, sources))
+        bad = Copies([(torch.zeros(3), torch.ones(5))] + list(zip(hosts, sources)))
+        bad.helpers = [helpers.submit(bad.take) for _ in range(2)]
+        with pytest.raises(RuntimeError):
+            bad.finish()
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp-sharded"])
 def test_on_two_ranks_the_asynchronous_checkpoint_is_the_synchronous_one_whatever_the_loop_does_after(
     tmp_path, strategy

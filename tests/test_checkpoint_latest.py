@@ -265,7 +265,8 @@ def test_asynchronous_save_refuses_to_replace_a_users_file_at_once(fabric, tmp_p
 
 
 def test_on_two_ranks_an_asynchronous_failure_or_refusal_raises_on_every_rank(tmp_path):
-    """Only rank 0 writes; its failed write, and its refusal to replace a user's file, raise on rank 1 as well."""
+    """Only rank 0 writes; its failed write, its refusal to replace a user's file, and state it cannot stage raise on
+    rank 1 as well (staging failures at that very call)."""
     result = run_python(str(SCRIPTS / "async_save_ranks.py"), str(tmp_path), timeout=180)
     assert_passed(
         result.stdout,
@@ -273,6 +274,7 @@ def test_on_two_ranks_an_asynchronous_failure_or_refusal_raises_on_every_rank(tm
             "failed write raises on every rank",
             "occupied target refused on every rank",
             "a staging failure on rank 0 alone raises on every rank",
+            "a value rank 0 cannot copy raises on every rank",
             "newest agreed after failures",
         ],
     )

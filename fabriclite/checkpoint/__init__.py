@@ -22,7 +22,8 @@ import torch
 from fabriclite.processes import signals
 from fabriclite._collections import map_with_path
 from fabriclite._signatures import accepted_kwargs
-from fabriclite.checkpoint.background import Checkpointer, shard_key
+from fabriclite.checkpoint.background import Checkpointer, refused
+from fabriclite.checkpoint.staging import shard_key
 from fabriclite.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -245,18 +246,27 @@ def _save_state(
     io = strategy.checkpoint_io
     # A synchronous save checks on its own when it writes; a plugin's own file format is its own to judge.
     check = asynchronous and (isinstance(io, TorchCheckpointIO) or not path.is_file())
-    _, rng_per_rank = checkpointer.settle(
-        strategy,
-        path,
-        (lambda: check_replaceable(path)) if check else None,
-        capture_rng_state(),
-        doing=f"the save of {str(path)!r}",
-    )
+    staging = None
+    if asynchronous:  # the copies of the state go on during the collective below
+        sharded = getattr(strategy, "state_dict_type", "full") == "sharded"
+        staging = checkpointer.stage(strategy, to_checkpoint(state, None, filter), sharded)
+    try:
+        _, rng_per_rank = checkpointer.settle(
+            strategy,
+            path,
+            (lambda: check_replaceable(path)) if check else None,
+            capture_rng_state(),
+            doing=f"the save of {str(path)!r}",
+            refusal=None if staging is None else refused(path, staging.refusal),
+        )
+    except BaseException:
+        if staging is not None:
+            staging.wait()  # no copy into the host buffers outlives the call
+        raise
     meta = {**capture_meta(strategy, precision, rng_per_rank), "series": checkpointer.series()}
     after = None if keep is None else functools.partial(_keep_last, path, keep, checkpointer.run)
-    if asynchronous:
-        sharded = getattr(strategy, "state_dict_type", "full") == "sharded"
-        checkpointer.start(strategy, path, to_checkpoint(state, meta, filter), _save_file, sharded, after)
+    if staging is not None:
+        checkpointer.start(strategy, path, staging, {META_KEY: meta}, _save_file, after)
         return
     strategy.save_checkpoint(path, state, meta, filter)
     if after is not None and strategy.is_global_zero:

@@ -1,8 +1,10 @@
 """Asynchronous checkpoints (``fabric.save(..., asynchronous=True)``) in two stages, as DCP's ``async_save`` and
 torchtitan's checkpointer do, each in one visible place of ``Checkpointer``:
 
-1. **Stage**, at the call, on the loop's thread (``Checkpointer.stage``): every tensor of the checkpoint is copied
-   into host buffers kept from the previous save, every other value is deep-copied. Tensors that share memory (tied
+1. **Stage**, at the call (``Checkpointer.stage``, then ``Staging.wait``): once the previous write has ended, every
+   tensor of the checkpoint is copied into host buffers kept from the previous save, every other value is
+   deep-copied. The CPU copies run on threads of their own (GPU copies on a side stream) while the loop's thread
+   makes the save's one collective; the call returns once they have landed. Tensors that share memory (tied
    weights) share it in the copy, so they are written once and load tied. Under FSDP each sharded tensor is gathered
    and copied to the host one at a time (full checkpoints) or its local shard copied (sharded checkpoints). Once the
    call returns, nothing the loop does can change the checkpoint: no rule to follow, no change to detect.
@@ -11,9 +13,10 @@ torchtitan's checkpointer do, each in one visible place of ``Checkpointer``:
    process group of the checkpointer's own, so they never meet the loop's), then ``keep_last`` runs. It gives a
    future.
 
-That future is waited for in one place, ``Checkpointer.settle``, at the next save and at ``load_latest``: one
-collective then carries every rank's outcome, so a write that failed on any rank raises its ``CheckpointError``
-(its cause chained) on every rank. The end of the process waits for a write still running and says if it failed.
+That future is waited for at the next save's stage and at ``load_latest``; its outcome is shared in one place,
+``Checkpointer.settle``: one collective then carries every rank's outcome, so a write that failed on any rank raises
+its ``CheckpointError`` (its cause chained) on every rank. The end of the process waits for a write still running
+and says if it failed.
 
 One set of host buffers serves every save, whatever its name: each place in the state (``("model", "0.weight")``)
 keeps its buffer, reused while its size fits, so host memory holds one copy of the state (pinned off a GPU).
@@ -21,7 +24,6 @@ keeps its buffer, reused while its size fits, so host memory holds one copy of t
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import threading
@@ -36,6 +38,7 @@ import torch
 from fabriclite.processes import signals
 from fabriclite._collections import map_with_path
 from fabriclite.checkpoint.errors import CheckpointError, first_line, save_failure
+from fabriclite.checkpoint.staging import PIECE, Copies, Staging, cores, deep_copy, shard_key
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose memory is staged as it is; others are copied whole
 
@@ -61,7 +64,8 @@ class Checkpointer:
         self._group: _Group | None = None  # the sharded writes' own process group, made at the first
         self._streams: dict[torch.device, Any] = {}  # per GPU, the side stream its copies are queued on
         self._cpu_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source bytes, host bytes), this stage
-        self._copiers: ThreadPoolExecutor | None = None  # the threads that help the loop's thread copy
+        self._copiers: ThreadPoolExecutor | None = None  # the threads that copy while the loop's thread goes on
+        self._outcome: CheckpointError | None = None  # this rank's failure of the last write, until shared
 
     # ------------------------------------------------------------------ the run's series
     def series(self) -> dict[str, Any]:
@@ -87,11 +91,16 @@ class Checkpointer:
         self._sequence = max(self._sequence, series.sequence)
 
     # ------------------------------------------------------------------ stage
-    def stage(self, checkpoint: dict[str, Any], keep: bool, sharded: bool) -> tuple[Any, Exception | None]:
-        """``checkpoint`` as it is now, in this checkpointer's host buffers (tensors) and deep copies (the rest), and
-        the first error that stopped it (None). Sharded tensors are gathered (a collective: every rank calls it,
-        ``keep`` only where the copy is wanted), or with ``sharded`` staged as their local shard. An error does not
-        stop the collectives, so the ranks stay in step. The staged checkpoint is None where ``keep`` is False."""
+    def stage(self, strategy: Any, checkpoint: dict[str, Any], sharded: bool) -> Staging:
+        """Begin copying ``checkpoint`` as it is now into this checkpointer's host buffers (tensors) and deep copies
+        (the rest), once the previous write has ended: sharded tensors are gathered (a collective: every rank calls
+        it; the copy kept on rank 0 alone), or with ``sharded`` staged as their local shard, written by every rank.
+        The copies of memory go on while the caller does other work; ``Staging.wait()`` gives the staged checkpoint
+        (None where this rank writes nothing) and the first error that stopped it. An error does not stop the
+        collectives, so the ranks stay in step."""
+        self._wait()  # the previous write reads the same host buffers
+        group = self._own_group(strategy) if sharded else None  # a collective: before anything is staged
+        keep = strategy.is_global_zero or sharded
         copies: dict[tuple, torch.Tensor] = {}  # a source's storage (alive meanwhile) -> its host copy, in this call
         gathered: dict[tuple, torch.Tensor | None] = {}  # a sharded tensor's local shard -> its staged full value
         failed: list[Exception] = []
@@ -107,7 +116,7 @@ class Checkpointer:
 
         def tensor_copy(key: tuple, tensor: torch.Tensor) -> torch.Tensor | None:
             if type(tensor).__name__ != "DTensor":
-                return stage_tensor(key, tensor, copies) if keep or sharded else None
+                return stage_tensor(key, tensor, copies) if keep else None
             local = tensor.to_local()
             if sharded:
                 from torch.distributed.tensor import DTensor
@@ -129,27 +138,13 @@ class Checkpointer:
             return gathered[shard]
 
         def value_copy(key: tuple, value: Any) -> Any:
-            try:
-                return copy.deepcopy(value)
-            except Exception as error:
-                failed.append(
-                    TypeError(
-                        f"fabric.save(..., asynchronous=True) copies the state as it is at the call, and {_name(key)} "
-                        f"({type(value).__name__}) cannot be copied ({first_line(error)}). Make it copyable "
-                        "(copy.deepcopy), or save with asynchronous=False."
-                    )
-                )
-                failed[-1].__cause__ = error
-                return None
+            return deep_copy(value, key, failed) if keep else None
 
         staged = map_with_path(checkpoint, torch.Tensor, tensor_copy, value_copy)
-        try:
-            self._copy_on_cores()
-            for stream in self._streams.values():
-                stream.synchronize()  # the copies off the GPU have landed: the loop may change the sources now
-        except Exception as error:
-            failed.append(error)
-        return (staged if keep or sharded else None), (failed[0] if failed else None)
+        if failed:
+            self._cpu_copies = []
+        copying = self._copy_on_cores()
+        return Staging(staged if keep else None, failed, copying, list(self._streams.values()), group)
 
     def _stage_tensor(self, key: tuple, tensor: torch.Tensor, copies: dict[tuple, torch.Tensor] | None) -> torch.Tensor:
         # `copies`: None for a temporary (gathered) tensor, copied at once and shared with nothing.
@@ -193,55 +188,57 @@ class Checkpointer:
         with torch.cuda.stream(stream):
             host.copy_(source, non_blocking=True)  # into pinned memory: the host goes on queueing
 
-    def _copy_on_cores(self) -> None:
-        # Copying memory is all a CPU save holds the loop for: in pieces, on as many threads as this process has
-        # cores (a rank of a run with one thread per core: the other ranks mostly wait meanwhile, at the next
-        # collective). torch's copy lets go of the interpreter lock.
-        pieces = [
-            (host[start : start + _PIECE], source[start : start + _PIECE])
+    def _copy_on_cores(self) -> Copies:
+        # Copying memory is all a CPU save holds the loop for: in pieces, taken in turn by as many threads as this
+        # process has cores while the loop's thread makes the save's collective, then by the loop's thread too (a
+        # rank of a run with one thread per core: the other ranks mostly wait meanwhile, at that collective).
+        # torch's copy lets go of the interpreter lock.
+        copies = Copies(
+            (host[start : start + PIECE], source[start : start + PIECE])
             for source, host in self._cpu_copies
-            for start in range(0, host.numel(), _PIECE)
-        ]
+            for start in range(0, host.numel(), PIECE)
+        )
         self._cpu_copies = []
-        threads = min(len(pieces), _cores())
-        if threads > 1 and self._copiers is None:
-            self._copiers = ThreadPoolExecutor(threads - 1, thread_name_prefix="fabriclite-stage")
-        helpers = [self._copiers.submit(_copy_pieces, pieces[k::threads]) for k in range(1, threads)]
-        _copy_pieces(pieces[::threads] if threads > 1 else pieces)
-        for helper in helpers:
-            helper.result()
+        if copies.pieces:
+            if self._copiers is None:
+                self._copiers = ThreadPoolExecutor(cores(), thread_name_prefix="fabriclite-stage")
+            threads = min(len(copies.pieces), self._copiers._max_workers)
+            copies.helpers = [self._copiers.submit(copies.take) for _ in range(threads)]
+        return copies
 
     # ------------------------------------------------------------------ write
     def start(
         self,
         strategy: Any,
         path: Path,
-        checkpoint: dict[str, Any],
+        staging: Staging,
+        extra: dict[str, Any],
         write_file: Callable[[Any, Path, Any], None],
-        sharded: bool,
         after: Callable[[], None] | None = None,
     ) -> None:
-        """Stage ``checkpoint`` now, then write it in the background: with ``write_file(staged, path,
-        checkpoint_io)`` on rank 0, or with ``sharded``, as a sharded folder by every rank; then ``after()`` on
-        rank 0. Every rank calls it, after ``settle``."""
-        if sharded:
-            group = self._own_group(strategy)  # a collective: before anything is staged
-            staged, error = self.stage(checkpoint, keep=True, sharded=True)
+        """Write what ``staging`` copied, with the entries of ``extra`` (copied now), in the background: with
+        ``write_file(staged, path, checkpoint_io)`` on rank 0, or for a sharded stage, as a sharded folder by every
+        rank; then ``after()`` on rank 0. Every rank calls it, after ``settle``."""
+        failed: list[Exception] = []
+        if staging.keeps:  # copied while the copies of memory run
+            extra = {key: deep_copy(value, (key,), failed) for key, value in extra.items()}
+        staged, error = staging.wait()
+        error = error or (failed[0] if failed else None)
+        if staged is not None and error is None:
+            staged.update(extra)
+        if staging.group is not None:
             last = after if strategy.is_global_zero else None
             # Every rank's write begins by agreeing on how staging went: one rank's error fails it on all.
-            future = self._submit(_write_sharded, staged, path, group, last, error)
+            future = self._submit(_write_sharded, staged, path, staging.group, last, error)
+        elif error is not None and strategy.world_size == 1:
+            raise error
+        elif error is not None:  # on this rank alone, maybe: the next save or load_latest raises it on every rank
+            future = Future()
+            future.set_exception(_failure(path, error, None))  # nothing was written
+        elif strategy.is_global_zero:
+            future = self._submit(_write_file, staged, path, strategy.checkpoint_io, write_file, after)
         else:
-            staged, error = self.stage(checkpoint, keep=strategy.is_global_zero, sharded=False)
-            if error is not None and strategy.world_size == 1:
-                raise error
-            io = strategy.checkpoint_io
-            if error is not None:  # on this rank alone, maybe: the next save or load_latest raises it on every rank
-                future = Future()
-                future.set_exception(_failure(path, error, None))  # nothing was written
-            elif strategy.is_global_zero:
-                future = self._submit(_write_file, staged, path, io, write_file, after)
-            else:
-                future = None
+            future = None
         self._pending = (path, future)
 
     def _submit(self, write: Callable, *args: Any) -> Future:
@@ -270,16 +267,20 @@ class Checkpointer:
         mine: Any = None,
         fail: Callable = save_failure,
         doing: str = "",
+        refusal: Exception | None = None,
     ) -> tuple[Any, list[Any]]:
         """Wait for the previous write, run ``rank_zero_work`` on rank 0, and share, in one collective, every rank's
-        outcome of that write, the work's outcome and every rank's ``mine``: return (``rank_zero_work()``'s result,
-        every rank's ``mine`` in rank order). If the write failed on any rank, every rank raises its
-        ``CheckpointError``, saying that ``doing`` (what called, e.g. "the save of 'step-2.ckpt'") did not happen;
-        else if the work failed, every rank raises ``fail(path, error)``. Every rank calls it.
+        outcome of that write, the work's outcome, every rank's ``mine`` and its ``refusal`` (why this rank cannot go
+        on with the call, e.g. a value of the state it could not stage): return (``rank_zero_work()``'s result, every
+        rank's ``mine`` in rank order). If the write failed on any rank, every rank raises its ``CheckpointError``,
+        saying that ``doing`` (what called, e.g. "the save of 'step-2.ckpt'") did not happen; else if the work
+        failed, every rank raises ``fail(path, error)``; else if a rank refused, it raises its ``refusal`` and the
+        others a ``CheckpointError`` naming it. Every rank calls it.
 
         Usage: ``_, rng_per_rank = checkpointer.settle(strategy, path, lambda: check_replaceable(path), rng)``.
         """
-        failure = self._finish()
+        self._wait()
+        failure, self._outcome = self._outcome, None
         outcome: tuple[str, Any] = ("ok", None)
         if strategy.is_global_zero and rank_zero_work is not None and failure is None:
             try:
@@ -289,55 +290,33 @@ class Checkpointer:
                 if problem is not error:
                     problem.__cause__ = error
                 outcome = ("failed", problem)
-        gathered = strategy.all_gather_object((failure, outcome, mine))
-        failed = next((theirs for theirs, _, _ in gathered if theirs is not None), None)
+        said = None if refusal is None else f"{type(refusal).__name__}: {first_line(refusal)}"
+        gathered = strategy.all_gather_object((failure, outcome, mine, said))
+        failed = next((theirs for theirs, *_ in gathered if theirs is not None), None)
         if failed is not None:
             raise _not_done(failure or failed, doing)  # this rank's own error, where it has one: its cause is here
         status, value = gathered[0][1]
         if status == "failed":
             raise outcome[1] if strategy.is_global_zero else value
-        return value, [theirs for _, _, theirs in gathered]
+        refused = next(((rank, theirs[3]) for rank, theirs in enumerate(gathered) if theirs[3] is not None), None)
+        if refused is not None:
+            if refusal is not None:
+                raise refusal
+            rank, said = refused
+            raise CheckpointError(path, "unwritable", f"Could not save {str(path)!r}: on rank {rank}, {said}.")
+        return value, [theirs[2] for theirs in gathered]
 
-    def _finish(self) -> CheckpointError | None:
-        # This rank's outcome of the previous write (waiting for it), and the checkpointer ready for the next.
+    def _wait(self) -> None:
+        # Wait for the previous write; its outcome on this rank is kept for `settle` to share.
         pending, self._pending = self._pending, None
         if pending is None or pending[1] is None:
-            return None
+            return
         error = pending[1].exception()
-        if error is None or isinstance(error, CheckpointError):
-            return error
-        problem = save_failure(pending[0], error)  # not raised by our writers, but never lose a failure
-        problem.__cause__ = error
-        return problem
-
-
-_PIECE = 8 * 2**20  # bytes per piece of a parallel copy
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _copy_pieces(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for host, source in pieces:
-        host.copy_(source)
-
-
-def shard_key(tensor: Any) -> tuple | None:
-    """What names a sharded tensor (a DTensor) while it is alive: its local shard's place in memory, shape and
-    placements. Two entries of a state with the same key are one tensor (a tied weight), to be gathered once; None
-    for a shard without memory of its own (an empty optimizer state on a rank that holds none of the tensor, where
-    every such shard has the same address), never one with another. Every rank must decide alike, since each key
-    gathered is a collective: a tied parameter's memory is never empty on any rank (FSDP pads every rank's shard to
-    the same size)."""
-    local = tensor.to_local()
-    storage = local.untyped_storage()
-    if storage.nbytes() == 0:
-        return None
-    return storage.data_ptr(), local.storage_offset(), tuple(local.shape), tuple(tensor.placements)
+        if error is not None and not isinstance(error, CheckpointError):
+            problem = save_failure(pending[0], error)  # not raised by our writers, but never lose a failure
+            problem.__cause__ = error
+            error = problem
+        self._outcome = self._outcome or error
 
 
 def _not_done(error: CheckpointError, doing: str) -> CheckpointError:
@@ -385,6 +364,16 @@ def _write_sharded(
             after()
 
 
+def refused(path: Path, error: Exception | None) -> Exception | None:
+    """What a save call raises where its state could not be staged (None: it could): a value that cannot be copied
+    as its ``TypeError``, anything else (host memory refused, say) as a ``CheckpointError`` with it chained."""
+    if error is None or isinstance(error, (TypeError, CheckpointError)):
+        return error
+    problem = _failure(path, error, None)
+    problem.__cause__ = error
+    return problem
+
+
 def _failure(path: Path, error: BaseException, io: Any) -> CheckpointError:
     from fabriclite.checkpoint.files import writes_atomically
 
@@ -430,10 +419,6 @@ class _Group:
             import torch.distributed as dist
 
             dist.barrier(group=self.group)
-
-
-def _name(key: tuple) -> str:
-    return "state" + "".join(f"[{part!r}]" for part in key)
 
 
 _writing: set[Future] = set()  # every write under way in this process, whoever still holds its Fabric
