@@ -140,6 +140,30 @@ def long_run(tmp_path, sleep):
     return cli_run("2", "--max-restarts", "1", LONG_RUN_SCRIPT, folder, "--out", out, "--sleep", str(sleep))
 
 
+def test_a_notice_while_the_ranks_are_being_started_reaches_the_ranks_started_after_it(tmp_path, monkeypatch, capfd):
+    # The supervisor runs here, in the test's main thread; the notice (a real SIGTERM to this process) is forced into
+    # the moment after rank 0 has started and before rank 1 has, where a loaded machine once put it: rank 1 ran on
+    # alone, reached Fabric creation, failed, and the run ended 143 instead of 75.
+    from fabriclite.processes import supervisor
+
+    popen = subprocess.Popen
+    started = []
+
+    def start_rank(*args, **kwargs):
+        if started:
+            os.kill(os.getpid(), signal.SIGTERM)
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", start_rank)
+    command = [sys.executable, NOTICES, str(tmp_path), "imports"]
+    code = supervisor.Supervisor(command, processes=2, env=python_env()).run()
+    output = capfd.readouterr()
+    assert code == PREEMPTED_EXIT_CODE, output
+    assert [rank.returncode for rank in started] == [-signal.SIGTERM, -signal.SIGTERM], output
+    assert "rank 1 " in output.err and "before it took notices" in output.err, output
+
+
 def test_two_sigterms_a_moment_apart_to_fabriclite_run_are_one_notice(tmp_path):
     def twice(child):
         child.send_signal(signal.SIGTERM)

@@ -123,6 +123,7 @@ class Supervisor:
         self.notice = 0  # the preemption notice this run got, here or on another node
         self.failures: list[Failure] = []  # every earlier attempt's, on every node: is the next one the same again?
         self._records = ""  # the folder where each rank writes the exception that ended it (``failures``)
+        self._held: list[int] | None = None  # signals come while ranks are being started: passed on once all are
 
     def run(self) -> int:
         """Start the ranks and return the run's exit code: 0, the failed rank's (128 + N for signal N) once the
@@ -159,6 +160,17 @@ class Supervisor:
         port = self.nodes.rendezvous_port(attempt) if self.nodes else self.port or free_port()
         first = self.node_rank * self.processes
         self.ranks = []
+        # A signal that comes meanwhile reaches every rank once all are started: passed on at once, it would miss the
+        # ranks started after it, which would then run on alone (a notice during a slow start, then exit 143).
+        self._held = []
+        try:
+            self._start_ranks(attempt, port, first)
+        finally:
+            held, self._held = self._held, None
+            for signum in held:
+                self._pass_on(signum)
+
+    def _start_ranks(self, attempt: int, port: int, first: int) -> None:
         for local in range(self.processes):
             env = {
                 **self.env,
@@ -286,6 +298,12 @@ class Supervisor:
         if not (again and now - self._first_signal_at < SAME_NOTICE_S):  # else one notice come twice
             self.signals.append(signum)
             self._first_signal_at = self._first_signal_at or now
+        if self._held is not None:
+            self._held.append(signum)
+        else:
+            self._pass_on(signum)
+
+    def _pass_on(self, signum: int) -> None:
         for rank in self.ranks:
             if rank.poll() is None:
                 try:
