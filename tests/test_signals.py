@@ -143,8 +143,12 @@ def long_run(tmp_path, sleep):
 def test_a_notice_while_the_ranks_are_being_started_reaches_the_ranks_started_after_it(tmp_path, monkeypatch, capfd):
     # The supervisor runs here, in the test's main thread; the notice (a real SIGTERM to this process) is forced into
     # the moment after rank 0 has started and before rank 1 has, where a loaded machine once put it: rank 1 ran on
-    # alone, reached Fabric creation, failed, and the run ended 143 instead of 75.
-    from fabriclite.processes import supervisor
+    # alone, reached Fabric creation, failed, and the run ended 143 instead of 75. This process made a Fabric, as a
+    # script that calls fabric.launch() has: the supervisor alone takes the notice, not a rank's policy left behind
+    # (it ended this process 143 once its grace had passed).
+    from fabriclite.processes import signals, supervisor
+
+    Fabric(accelerator="cpu", devices=1)
 
     popen = subprocess.Popen
     started = []
@@ -162,6 +166,7 @@ def test_a_notice_while_the_ranks_are_being_started_reaches_the_ranks_started_af
     assert code == PREEMPTED_EXIT_CODE, output
     assert [rank.returncode for rank in started] == [-signal.SIGTERM, -signal.SIGTERM], output
     assert "rank 1 " in output.err and "before it took notices" in output.err, output
+    assert signals.noticed() is None
 
 
 def test_two_sigterms_a_moment_apart_to_fabriclite_run_are_one_notice(tmp_path):

@@ -139,7 +139,6 @@ class SubprocessLauncher:
         self._started = True
         if self.processes > 1 and max_restarts():
             # This process only watches: every rank is its child, so the whole group can be started again.
-            signals.uninstall()  # the supervisor has its own policy for the signals it passes on
             sys.exit(Supervisor(_script_command(), self.processes, max_restarts()).run())
         self._start()
         return function(*args, **kwargs)

@@ -108,7 +108,7 @@ def install(rank: int = 0) -> None:
 
 def uninstall() -> None:
     """Give the signals back (a process that becomes a supervisor of others has its own policy): the notices their
-    default action, the wakeup fd to nobody. Usage: ``uninstall()`` before ``Supervisor(...).run()``."""
+    default action, the wakeup fd to nobody. ``Supervisor.run`` calls it. Usage: ``uninstall()``."""
     global _installed, _watching
     if not _installed:
         return

@@ -35,6 +35,7 @@ from typing import Any
 
 from fabriclite.plugins.environments import free_port
 from fabriclite.processes.failures import FAILURE_FILE_ENV, Failure, first, how_it_ended, read, repeats
+from fabriclite.processes import signals
 from fabriclite.processes.nodes import NodeGroup, NodeGroupError
 from fabriclite.processes.signals import GRACE_S, NOTICES as SIGNALS, PREEMPTED_EXIT_CODE, SAME_NOTICE_S, requeue
 
@@ -128,6 +129,7 @@ class Supervisor:
     def run(self) -> int:
         """Start the ranks and return the run's exit code: 0, the failed rank's (128 + N for signal N) once the
         restarts are used up, or ``PREEMPTED_EXIT_CODE`` after a preemption notice."""
+        signals.uninstall()  # a rank's policy (this process made a Fabric before?) must not take the notices too
         previous = {signum: signal.signal(signum, self._on_signal) for signum in _FORWARDED}
         code, alone = 1, None  # alone: why this node ended the run without the others, if it did
         self._records = tempfile.mkdtemp(prefix="fabriclite-failures-")
