@@ -242,14 +242,19 @@ def test_the_docs_script_under_fsdp_writes_full_checkpoints_with_state_dict_type
     assert all(type(tensor) is torch.Tensor for tensor in weights.values())
 
 
+def run_failing_at_step(mode, tmp_path):
+    """``fails_at_step.py MODE`` on 2 ranks under ``fabriclite run --max-restarts 3``."""
+    return run_python(
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--max-restarts", "3",
+        str(SCRIPTS / "fails_at_step.py"), mode, str(tmp_path), check=False, timeout=TIMEOUT,
+    )  # fmt: skip
+
+
 def test_a_failure_that_repeats_at_the_same_step_is_not_restarted_again_and_the_first_rank_to_fail_is_named(
     tmp_path,
 ):
     # Rank 1 raises at step 7 of every attempt; rank 0, waiting for it in an all_reduce, fails a moment later.
-    result = run_python(
-        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--max-restarts", "3",
-        str(SCRIPTS / "fails_at_step.py"), "same", str(tmp_path), check=False, timeout=TIMEOUT,
-    )  # fmt: skip
+    result = run_failing_at_step("same", tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]
     raised = "rank 1 exited with code 1 (ValueError: this batch cannot be trained on)"
@@ -265,10 +270,7 @@ def test_a_failure_that_repeats_at_the_same_step_is_not_restarted_again_and_the_
 def test_a_failure_alternating_with_another_is_stopped_at_its_second_time(tmp_path):
     # Rank 1 raises A, then B, then A again at step 7, with no checkpoint in between: the third attempt repeats the
     # first's, so the last restart is left unused.
-    result = run_python(
-        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", "--max-restarts", "3",
-        str(SCRIPTS / "fails_at_step.py"), "alternating", str(tmp_path), check=False, timeout=TIMEOUT,
-    )  # fmt: skip
+    result = run_failing_at_step("alternating", tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]
     assert "(ValueError: nor can this one); stopping every rank and starting them again (restart 2 of 3)." in output

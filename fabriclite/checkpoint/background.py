@@ -202,8 +202,7 @@ class Checkpointer:
         if copies.pieces:
             if self._copiers is None:
                 self._copiers = ThreadPoolExecutor(cores(), thread_name_prefix="fabriclite-stage")
-            threads = min(len(copies.pieces), self._copiers._max_workers)
-            copies.helpers = [self._copiers.submit(copies.take) for _ in range(threads)]
+            copies.helpers = [self._copiers.submit(copies.take) for _ in range(min(len(copies.pieces), cores()))]
         return copies
 
     # ------------------------------------------------------------------ write
