@@ -147,7 +147,42 @@ def num_warps(block: int) -> int:
     return 4
 
 
-@functools.lru_cache(maxsize=None)
+def launch_sizes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: ``fn`` (launch sizes from widths) worked out once per width, as ``functools.lru_cache`` does, and
+    also for a symbolic width.
+
+    Under ``torch.compile`` with dynamic shapes (``dynamic=True``, a dimension Dynamo made dynamic after it changed,
+    ``opcheck``'s AOT test) a library op's body runs with ``torch.SymInt`` widths, which cannot be hashed into a
+    cache, and a kernel's block sizes must be constants of the graph. ``fn`` uses its integer arguments only through
+    their next power of 2, so a symbolic one is replaced by the power of 2 at or above it, found by comparisons:
+    Dynamo records them as guards on the width's range, the width stays symbolic in the graph, and a width past the
+    next power of 2 compiles once more. A plain call costs what the cache costs (the symbolic case is the cache's
+    own ``TypeError``).
+
+    Usage: ``@launch_sizes`` over ``def _block(n_cols: int) -> tuple[int, int]``.
+    """
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def sizes(*args: Any) -> Any:
+        try:
+            return cached(*args)
+        except TypeError:
+            if not any(isinstance(arg, torch.SymInt) for arg in args):
+                raise
+        return cached(*(_power_of_2_at_least(arg) if isinstance(arg, torch.SymInt) else arg for arg in args))
+
+    return sizes
+
+
+def _power_of_2_at_least(n: torch.SymInt) -> int:
+    block = 1
+    while n > block:  # a guard on n's range, not a value read from it
+        block *= 2
+    return block
+
+
+@launch_sizes
 def tile_blocks(n_cols: int, tile: int, block_n_max: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of an elementwise kernel over (rows, n_cols) tiles of about ``tile`` elements,
     worked out once per width.

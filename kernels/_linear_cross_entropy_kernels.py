@@ -4,13 +4,12 @@ softmax) and writes the loss after the last chunk (``fold``); the backward overw
 gradient (``overwrite_with_gradient``). The designs that call them, and what the passes compute, are described in
 ``fused_linear_cross_entropy``."""
 
-import functools
 from typing import Optional
 
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import cdiv, launch, num_warps
+from fabriclite.kernels._common import cdiv, launch, launch_sizes, num_warps
 
 
 @triton.jit
@@ -42,6 +41,10 @@ def _linear_cross_entropy_forward_kernel(
     BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
+    # fp32 however it is launched: Inductor passes a Python float as fp64 (Triton's JIT as fp32).
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    z_loss = tl.cast(z_loss, tl.float32)
     # BLOCK_M rows of one chunk. state holds, per row: m, d, the smoothing sum, its reference, the target's logit.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
@@ -126,6 +129,10 @@ def _linear_cross_entropy_backward_kernel(
     BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
+    # fp32 however it is launched: Inductor passes a Python float as fp64 (Triton's JIT as fp32).
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    z_loss = tl.cast(z_loss, tl.float32)
     # BLOCK_M rows of one chunk: their logits overwritten with their gradient, each element read before it is
     # written by the same program.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -169,7 +176,7 @@ def _linear_cross_entropy_backward_kernel(
 MAX_BLOCK = 4096
 
 
-@functools.lru_cache(maxsize=None)
+@launch_sizes
 def _block(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK, BLOCK_M, num_warps): a program sweeps BLOCK_M rows of a chunk BLOCK columns at a time, about
     MAX_BLOCK elements a step (one row a program for the wide chunks of an LLM, many for narrow ones)."""

@@ -25,7 +25,6 @@ compiler can place in its graph.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -37,6 +36,7 @@ from fabriclite.kernels._common import (
     cast,
     cdiv,
     launch,
+    launch_sizes,
     library_op,
     num_warps,
     reduction_programs,
@@ -64,6 +64,8 @@ def _norm_forward_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # fp32 however it is launched: Inductor passes a Python float as fp64 (Triton's JIT as fp32).
+    eps = tl.cast(eps, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -189,7 +191,7 @@ def _norm_backward_kernel(
         tl.store(partials_ptr + program * n_cols + cols, dbias, mask=col_mask)
 
 
-@functools.lru_cache(maxsize=None)
+@launch_sizes
 def _launch_sizes(n_cols: int) -> tuple[int, int]:
     """(block, num_warps) for rows of ``n_cols``: depends on the width only, so it is worked out once per width."""
     block = row_block(n_cols)
@@ -210,7 +212,7 @@ PREFETCH_MAX_BLOCK = 8192
 ROW_LOOP_BACKWARD = False
 
 
-@functools.lru_cache(maxsize=None)
+@launch_sizes
 def _backward_sizes(n_cols: int, row_loop: bool) -> tuple[int, int, int, bool, int]:
     """(block, rows per tile, num_warps, prefetch, programs per multiprocessor) of the backward for rows of
     ``n_cols``, worked out once per width. Programs beyond what fits on a multiprocessor wait their turn, so the

@@ -29,13 +29,12 @@ The forward kernel can also write the gradient for grad_output 1 in the same lau
 sweep): ``linear_cross_entropy`` does, over each chunk's logits.
 """
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import as_rows, cast, check_dtypes, launch, library_op, num_warps
+from fabriclite.kernels._common import as_rows, cast, check_dtypes, launch, launch_sizes, library_op, num_warps
 
 # The widest slice of a row one program reads at a time; a wider row is swept in blocks of this many logits.
 MAX_BLOCK = 8192
@@ -61,6 +60,8 @@ def _cross_entropy_forward_kernel(
     COMPUTE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # fp32 however it is launched: Inductor passes a Python float as fp64 (Triton's JIT as fp32).
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
     # int64 before multiplying: tokens x vocab reaches 2**31 at 16384 x 131072, sooner with a padded row stride.
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * logits_row_stride
@@ -155,6 +156,8 @@ def _cross_entropy_backward_kernel(
     SMOOTHING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # fp32 however it is launched: Inductor passes a Python float as fp64 (Triton's JIT as fp32).
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * logits_row_stride
     grad_ptr += row * grad_row_stride
@@ -174,7 +177,7 @@ def _cross_entropy_backward_kernel(
     _write_gradient(logits_ptr, grad_ptr, target, m, d, scale, n_cols, label_smoothing, SMOOTHING, BLOCK)
 
 
-@functools.lru_cache(maxsize=None)
+@launch_sizes
 def _block(n_cols: int, max_block: int) -> tuple[int, int]:
     """(BLOCK, num_warps) for rows of ``n_cols``, worked out once per width."""
     block = min(triton.next_power_of_2(n_cols), max_block)

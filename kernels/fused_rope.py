@@ -11,13 +11,12 @@ Llama). cos and sin are constants here (Llama computes them from positions); a c
 refused rather than given a silent zero gradient.
 """
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from fabriclite.kernels._common import check_dtypes, launch, library_op, num_warps
+from fabriclite.kernels._common import check_dtypes, launch, launch_sizes, library_op, num_warps
 
 
 @triton.jit
@@ -103,7 +102,7 @@ def _rope_backward_kernel(
     tl.store(dx_first + half, dx2.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
+@launch_sizes
 def _blocks(n_heads: int, half: int) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_HALF, num_warps), worked out once per head count and head size."""
     block_h, block_half = triton.next_power_of_2(n_heads), triton.next_power_of_2(half)
