@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 40's GPU measurements in one command, about 8 minutes on one H100/H200 (each step has its own time limit,
-# and a step that fails or runs out of time leaves the others' files):
+# The GPU measurements in one command, at most 9 minutes on one H100/H200, inside the 10 minutes a lent machine's
+# command may run: each step has a limit of its own and none starts past the script's deadline (540 s from its start,
+# the install included), and a step that fails or runs out of time leaves the others' files:
 #   1. the kernel tests compiled for the GPU (TRITON_INTERPRET=0): kernel-tests-compiled.log
 #   2. the host cost of one kernel call, Triton's launches included, next to torch's: host-cost.md
 #   3. gpu_suite.py's models section: the kernels inside ViT-B/16 and the Llama-style GPT, eager and compiled, off,
@@ -11,7 +12,8 @@
 #      Liger when installed; the residual-add norms last, as time allows: suite/kernels.csv
 #   5. the talk's run (examples/vit/10_talk_vit_b16.py --synthetic) with empty caches, then again with the caches the
 #      first run left (one TORCHINDUCTOR_CACHE_DIR): talk-cold.log, talk-warm.log
-# Everything ends up in OUT, also packed as OUT/results.tar.gz.
+# Everything ends up in OUT, also packed as OUT/results.tar.gz. The last line is the verdict: "VERDICT: ok ..." when
+# every step ended 0, else "VERDICT: FAILED ..." naming the steps that did not (an exit of 124 or 137: out of time).
 #
 # --smoke runs the same steps on the CPU at tiny sizes (kernels under Triton's interpreter, the talk's CI shape) to
 # check the script; its files say so and are never GPU results.
@@ -28,13 +30,24 @@ log="$out/run.log"
 cache=$(mktemp -d)  # one compile cache for both talk runs, empty at the start
 export TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"
 
-step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log how it ended, go on either way
+deadline=540  # seconds from the start: 9 minutes, a minute under what one command may run on a lent machine
+if [ "$smoke" = "--smoke" ]; then deadline=850; fi  # a loaded 2-core CI machine, under the test's 900 s
+failed=()
+step() {  # step NAME SECONDS COMMAND...: run it with a time limit (never past the deadline), log how it ended, go on
     local name=$1 limit=$2
     shift 2
-    local began=$SECONDS
+    local began=$SECONDS left=$((deadline - SECONDS - 10))  # 10 s for the kill and the packing at the end
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
+    if [ "$limit" -lt 5 ]; then
+        echo "===== $name: skipped, ${deadline} s deadline reached" | tee -a "$log"
+        failed+=("$name (skipped)")
+        return
+    fi
     echo "===== $name (limit ${limit} s): $*" | tee -a "$log"
-    timeout --kill-after=10 "$limit" "$@"
-    echo "===== $name: exit $? after $((SECONDS - began)) s" | tee -a "$log"
+    timeout --kill-after=5 "$limit" "$@"
+    local code=$?
+    echo "===== $name: exit $code after $((SECONDS - began)) s" | tee -a "$log"
+    if [ "$code" -ne 0 ]; then failed+=("$name (exit $code)"); fi
 }
 
 if [ "$smoke" != "--smoke" ]; then  # the GPU machine's python3 has torch and no network: install fabriclite alone
@@ -52,18 +65,25 @@ if [ "$smoke" = "--smoke" ]; then
     step talk-cold 120 python3 examples/vit/10_talk_vit_b16.py --synthetic "${talk[@]}" >"$out/talk-cold.log" 2>&1
     step talk-warm 120 python3 examples/vit/10_talk_vit_b16.py --synthetic "${talk[@]}" >"$out/talk-warm.log" 2>&1
 else
+    # The limits add up to 520 s: each is about 1.3x what the step took on an H200 (2026-11-27: kernel tests 71 s,
+    # host cost 16, models 85, talk cold 75 and warm 69); the kernels section fills its own budget, open goals first.
     export TRITON_INTERPRET=0  # the tests' own default is the interpreter
-    step kernel-tests 100 python3 -m pytest tests/kernels -n 8 -q -p no:cacheprovider \
+    step kernel-tests 95 python3 -m pytest tests/kernels -n 8 -q -p no:cacheprovider \
         >"$out/kernel-tests-compiled.log" 2>&1
-    step host-cost 45 python3 benchmarks/kernels.py --host-cost >"$out/host-cost.md" 2>&1
-    step models 185 python3 benchmarks/gpu_suite.py --out "$out/suite" --sections models --budget 175 \
+    step host-cost 25 python3 benchmarks/kernels.py --host-cost >"$out/host-cost.md" 2>&1
+    step models 125 python3 benchmarks/gpu_suite.py --out "$out/suite" --sections models --budget 115 \
         >"$out/models.log" 2>&1
-    # models took 77 s on an H200 (2026-11-26); the kernels' two designs side by side want the time
-    step kernels 175 python3 benchmarks/gpu_suite.py --quick --out "$out/suite" --sections kernels --budget 165 \
+    step kernels 110 python3 benchmarks/gpu_suite.py --quick --out "$out/suite" --sections kernels --budget 100 \
         >"$out/kernels.log" 2>&1
-    step talk-cold 110 python3 examples/vit/10_talk_vit_b16.py --synthetic >"$out/talk-cold.log" 2>&1
-    step talk-warm 90 python3 examples/vit/10_talk_vit_b16.py --synthetic >"$out/talk-warm.log" 2>&1
+    step talk-cold 90 python3 examples/vit/10_talk_vit_b16.py --synthetic >"$out/talk-cold.log" 2>&1
+    step talk-warm 75 python3 examples/vit/10_talk_vit_b16.py --synthetic >"$out/talk-warm.log" 2>&1
 fi
 rm -rf "$cache"
 tar -czf "$out/results.tar.gz" -C "$out" --exclude results.tar.gz .
 echo "files in $out: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"
+if [ "${#failed[@]}" -eq 0 ]; then
+    echo "VERDICT: ok: every step ended 0 in $SECONDS s" | tee -a "$log"
+else
+    echo "VERDICT: FAILED: ${failed[*]}; $SECONDS s" | tee -a "$log"
+    exit 1
+fi

@@ -2,6 +2,7 @@
 the run, the device and the versions, so that a smoke row can never pass for a GPU result."""
 
 import csv
+import re
 import sys
 import tarfile
 
@@ -66,6 +67,7 @@ def test_gpu_run_smoke_measures_every_model_variant_on_the_kernels_it_names_and_
     log = (tmp_path / "run.log").read_text()
     for step in ("host-cost", "models", "talk-cold", "talk-warm"):
         assert f"===== {step}: exit 0 after" in log, log
+    assert log.splitlines()[-1].startswith("VERDICT: ok: every step ended 0"), log
     assert "| layer_norm |" in (tmp_path / "host-cost.md").read_text()
     assert "RESULT" in (tmp_path / "talk-warm.log").read_text()
     with tarfile.open(tmp_path / "results.tar.gz") as packed:
@@ -90,3 +92,14 @@ def test_gpu_run_smoke_measures_every_model_variant_on_the_kernels_it_names_and_
         if row["kernels"] == "":
             assert float(row["ratio_vs_off"]) == 1.0, row  # the baseline against itself
     assert "## Kernels inside models" in (tmp_path / "summary.md").read_text()
+
+
+def test_gpu_run_fits_one_command_of_a_lent_gpu_machine():
+    """A lent machine runs one command for at most 600 s: the GPU steps' limits fit the script's deadline, and the
+    deadline leaves a minute of those 600 s (the H200 run of 2026-11-27 had limits adding up to 705 s)."""
+    script = RUN.read_text()
+    deadline = int(re.search(r"^deadline=(\d+)", script, re.MULTILINE).group(1))
+    gpu_part = script[script.index("export TRITON_INTERPRET=0") :]
+    limits = [int(limit) for limit in re.findall(r"^\s*step [\w-]+ (\d+) ", gpu_part, re.MULTILINE)]
+    assert len(limits) == 6, gpu_part
+    assert sum(limits) + 10 <= deadline <= 540, (limits, deadline)
