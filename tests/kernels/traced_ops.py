@@ -5,18 +5,19 @@ then launches from its own code. Prints one line per trace:
 
 - ``OP <shapes> <name> kernels=<k1,k2> opaque=<ops>``: the op alone, traced as torch.compile's AOT stage does
   (functionalized, forward only), with ``static`` shapes, and with ``dynamic`` ones: every dimension of every tensor
-  and every integer argument symbolic, as ``opcheck``'s ``test_aot_dispatch_dynamic`` traces the tensors and as
-  Dynamo passes the sizes it read off them once a dimension is dynamic.
+  symbolic, the other arguments constants, as ``opcheck``'s ``test_aot_dispatch_dynamic`` traces it.
 - ``STEP <how> graphs=<n> symbolic=<dims> kernels=<k1,...> opaque=<ops>``: Dynamo over a training step that calls
-  every public op (forward and backward, ``fullgraph=True``): with ``dynamic=True``, and with Dynamo's automatic
-  dynamic shapes (a second call with another batch size recompiles with that dimension symbolic; ``symbolic``
-  counts the symbolic dimensions of the graphs' inputs).
+  every public op (forward and backward, ``fullgraph=True``): with ``dynamic=True`` (every size symbolic, also the
+  widths the public functions pass on as integers), and with Dynamo's automatic dynamic shapes (a second call with
+  another batch size recompiles with that dimension symbolic); ``symbolic`` counts the symbolic dimensions of the
+  graphs' inputs.
 
-A trace that fails prints ``error=<type>: <message>`` on its line. Fake tensors on the CPU stand in for CUDA ones: a
-machine without a GPU can trace the ops but not run them (the GPU tests run them). Tracing also compiles each kernel
-to Triton's IR, for torch to find the tensors it writes (what the graph must treat as mutated): Triton asks its
-driver for the GPU's target, so a stand-in driver names an H100/H200's (sm_90) here, the one mock of this script.
-Without it torch assumes every tensor argument mutated, and the graphs differ from a GPU's. Usage:
+A trace that fails prints ``error=<type>: <message>`` on its line. Tensors on the meta device stand in for CUDA ones
+(torch traces them with fake tensors, and runs the graphs on meta tensors, which hold no data): a machine without a
+GPU can trace the ops but not run them (the GPU tests run them). Tracing also compiles each kernel to Triton's IR,
+for torch to find the tensors it writes (what the graph must treat as mutated): Triton asks its driver for the GPU's
+target, so a stand-in driver names an H100/H200's (sm_90) here, the one mock of this script. Without it torch
+assumes every tensor argument mutated, and the graphs differ from a GPU's. Usage:
 ``python tests/kernels/traced_ops.py``.
 """
 
@@ -31,8 +32,6 @@ import triton  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 from torch._functorch.aot_autograd import aot_function  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext  # noqa: E402
 
 from fabriclite.kernels import _common  # noqa: E402
 
@@ -47,7 +46,7 @@ class _Sm90Driver:
 
 
 def cases() -> list:
-    """(op name, arguments) for every forward and backward library op, on fake tensors."""
+    """(op name, arguments) for every forward and backward library op."""
     from test_kernel_library_ops import _cases
 
     from fabriclite.kernels import linear_cross_entropy, rope, swiglu  # noqa: F401 - registers their ops
@@ -91,23 +90,22 @@ def symbolic(value) -> bool:
 
 
 def trace_op(name: str, args: tuple, dynamic: bool) -> str:
-    """The line of one op traced alone (forward only) as torch.compile's AOT stage traces it."""
+    """The line of one op traced alone (forward only) as torch.compile's AOT stage traces it: the tensors are the
+    graph's inputs (every dimension symbolic when ``dynamic``), the other arguments constants, as in ``opcheck``."""
     graphs = []
 
     def capture(gm, inputs):
         graphs.append(gm)
-        return gm
+        return make_boxed_func(gm)
 
-    context = StatelessSymbolicContext
-    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if dynamic else None) as mode:
-        fakes = []
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                sizes = [DimDynamic.DYNAMIC if dynamic else DimDynamic.STATIC] * arg.dim()
-                arg = mode.from_tensor(arg, symbolic_context=context(dynamic_sizes=sizes) if dynamic else None)
-            fakes.append(arg)
-        op = getattr(torch.ops.fabriclite, name)
-        aot_function(lambda *a: op(*a), fw_compiler=capture)(*fakes)  # with a shape env, integers are symbolic too
+    op = getattr(torch.ops.fabriclite, name)
+    tensors = [arg.to("meta") for arg in args if isinstance(arg, torch.Tensor)]
+
+    def with_tensors(*inputs):
+        inputs = iter(inputs)
+        return op(*(next(inputs) if isinstance(arg, torch.Tensor) else arg for arg in args))
+
+    aot_function(with_tensors, fw_compiler=capture, dynamic=dynamic)(*tensors)
     if dynamic:
         inputs = [node.meta.get("val") for node in graphs[0].graph.nodes if node.op == "placeholder"]
         dims = [d for value in inputs if isinstance(value, torch.Tensor) for d in value.shape]
@@ -140,18 +138,17 @@ def step(x, residual, weight, bias, gate, up, q, k, cos, sin, head, target):
     return loss + linear_cross_entropy(h, head, target, label_smoothing=0.1, softcap=30.0, z_loss=1e-4)
 
 
-def step_inputs(batch: int, mode: FakeTensorMode) -> list:
+def step_inputs(batch: int) -> list:
     """The step's inputs for ``batch`` sequences of 5 tokens (width 16, 4 query and 2 key heads of size 8, a
-    vocabulary of 7), fake tensors of ``mode``, the differentiable ones leaves that need gradients."""
+    vocabulary of 7), meta tensors, the differentiable ones leaves that need gradients."""
     tokens, width = batch * 5, 16
-    with mode:
+    with torch.device("meta"):
         shapes = [(tokens, width), (tokens, width), (width,), (width,), (tokens, width), (tokens, width),
                   (batch, 5, 4, 8), (batch, 5, 2, 8)]  # fmt: skip
         leaves = [torch.randn(*shape, requires_grad=True) for shape in shapes]
         tables = [torch.randn(5, 8), torch.randn(5, 8)]
         head = torch.randn(7, width, requires_grad=True)
-        target = torch.arange(tokens) % 7
-        target[0] = -100
+        target = torch.zeros(tokens, dtype=torch.long)
     return [*leaves, *tables, head, target]
 
 
@@ -167,13 +164,10 @@ def trace_step(how: str) -> str:
     backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
     options = {"dynamic": True} if how == "dynamic=True" else {}
     compiled = torch.compile(step, backend=backend, fullgraph=True, **options)  # a graph break raises
-    mode = FakeTensorMode()
     batches = (2,) if how == "dynamic=True" else (2, 3)  # the second batch size: Dynamo recompiles it dynamic
     for batch in batches:
         graphs.clear()  # the last compile's graphs: automatic dynamic's is the second
-        inputs = step_inputs(batch, mode)
-        with mode:
-            compiled(*inputs).backward()
+        compiled(*step_inputs(batch)).backward()
     inputs = [node.meta.get("val") for graph in graphs for node in graph.graph.nodes if node.op == "placeholder"]
     dims = sum(symbolic(d) for value in inputs if isinstance(value, torch.Tensor) for d in value.shape)
     return f"graphs={len(graphs)} symbolic={dims} {graph_summary(graphs)}"
