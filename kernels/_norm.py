@@ -309,7 +309,11 @@ def _backward(
     n_partials = (weight is not None) + has_bias
     # No rows, no launch: the partials must then be zeros (a sum of nothing), not whatever the memory held.
     allocate = torch.empty if n_rows else torch.zeros
-    partials = allocate((n_partials, programs, n_cols), dtype=torch.float32, device=x.device) if n_partials else dx
+    # Two dimensions, never a leading one of size 1: under torch.compile with a dynamic batch, Inductor gives a
+    # user kernel's argument exactly the strides the trace saw, and a size-1 dimension's symbolic stride
+    # (n_cols * Max(1, programs) there, n_cols * programs in Inductor) made it copy the buffer onto itself after the
+    # launch: a node depending on itself, "InductorError: KeyError: 'op24'" (torch 2.11; pytorch#189271).
+    partials = allocate((n_partials * programs, n_cols), dtype=torch.float32, device=x.device) if n_partials else dx
     if n_rows > 0:
         launch(
             _norm_backward_kernel,
@@ -340,7 +344,7 @@ def _backward(
         )
     if not n_partials:
         return dx, None, None
-    sums = partials.sum(1).unbind(0)  # the second reduction, in fp32
+    sums = partials.view(n_partials, programs, n_cols).sum(1).unbind(0)  # the second reduction, in fp32
     dweight = None
     if weight is not None:
         dweight = cast(sums[0], weight.dtype)
