@@ -44,6 +44,26 @@ def test_bf16_mixed_runs_the_forward_under_autocast_and_returns_fp32():
     assert model.module[0].weight.dtype == torch.float32  # master weights stay fp32
 
 
+class _Tagged(torch.Tensor):
+    """A tensor subclass, as a model's output may be one (a DTensor under tensor parallelism)."""
+
+
+class _TaggedOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return {"logits": self.linear(x).as_subclass(_Tagged)}
+
+
+def test_an_output_of_a_tensor_subclass_is_cast_like_a_tensor():
+    # It recursed until RecursionError: the collection walk handed the subclass back to the same cast.
+    _, model, _ = setup("bf16-mixed", _TaggedOutput())
+    logits = model(torch.randn(3, 4))["logits"]
+    assert type(logits) is _Tagged and logits.dtype == torch.float32
+
+
 def test_32_true_leaves_everything_in_fp32():
     _, model, _ = setup("32-true")
     assert model(torch.randn(3, 4)).dtype == torch.float32

@@ -30,10 +30,15 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
     if type(data) is torch.Tensor:  # the common case, one output tensor: no collection walk
-        if not data.is_floating_point() or data.dtype == dtype:
-            return data
-        return data.float() if dtype is torch.float32 else data.to(dtype)  # .float() parses no arguments
-    return apply_to_collection(data, torch.Tensor, _cast_floating, dtype)
+        return _cast_tensor(data, dtype)
+    return apply_to_collection(data, torch.Tensor, _cast_tensor, dtype)
+
+
+def _cast_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Any tensor, subclasses too (a DTensor, a fake tensor): the collection walk hands those over as they are.
+    if not tensor.is_floating_point() or tensor.dtype == dtype:
+        return tensor
+    return tensor.float() if dtype is torch.float32 else tensor.to(dtype)  # .float() parses no arguments
 
 
 def _cast_inputs(data: Any, dtype: torch.dtype) -> Any:
