@@ -207,13 +207,22 @@ def _peak_mib(device: torch.device) -> float:
 
 
 def compare(
-    runners: list[Runner], sizes: ModelSizes, device: torch.device, out_of_time: Callable[[], bool]
+    runners: list[Runner],
+    sizes: ModelSizes,
+    device: torch.device,
+    out_of_time: Callable[[], bool],
+    errors: dict[str, str],
 ) -> dict[str, dict[str, Any]]:
-    """Each runner's step times (ms) over interleaved rounds and its peak memory (MiB)."""
+    """Each runner's step times (ms) over interleaved rounds and its peak memory (MiB). A runner whose first steps
+    raise (a compile that fails) is taken out of ``runners`` with its error in ``errors``; the others go on."""
     results: dict[str, dict[str, Any]] = {r.variant.name: {"ms": [], "peak_mib": 0.0, "first_s": 0.0} for r in runners}
-    for runner in runners:  # the first step compiles (or builds the kernels): timed apart, never in a round
-        results[runner.variant.name]["first_s"] = timed(runner.step, runner.batches, 1, device)
-        timed(runner.step, runner.batches, sizes.warmup, device)
+    for runner in list(runners):  # the first step compiles (or builds the kernels): timed apart, never in a round
+        try:
+            results[runner.variant.name]["first_s"] = timed(runner.step, runner.batches, 1, device)
+            timed(runner.step, runner.batches, sizes.warmup, device)
+        except Exception as exc:  # noqa: BLE001 - its own row says why; the other variants still measure
+            errors[runner.variant.name] = f"{type(exc).__name__}: {exc}"
+            runners.remove(runner)
     gc.collect()
     for round_index in range(sizes.rounds):
         if round_index >= 2 and out_of_time():
@@ -251,8 +260,8 @@ def run_models(write: Callable[..., None], run: str, out_of_time: Callable[[], b
                 except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' rows
                     errors[variant.name] = f"{type(exc).__name__}: {exc}"
             try:
-                results = compare(runners, sizes, device, out_of_time) if runners else {}
-            except Exception as exc:  # noqa: BLE001
+                results = compare(runners, sizes, device, out_of_time, errors) if runners else {}
+            except Exception as exc:  # noqa: BLE001 - a failure within the rounds: no variant's times are whole
                 results = {}
                 errors.update({r.variant.name: f"{type(exc).__name__}: {exc}" for r in runners})
             baseline = results.get("compiled" if compiled else "eager")

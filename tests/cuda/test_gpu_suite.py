@@ -103,3 +103,31 @@ def test_gpu_run_fits_one_command_of_a_lent_gpu_machine():
     limits = [int(limit) for limit in re.findall(r"^\s*step [\w-]+ (\d+) ", gpu_part, re.MULTILINE)]
     assert len(limits) == 6, gpu_part
     assert sum(limits) + 10 <= deadline <= 540, (limits, deadline)
+
+
+def test_a_model_variant_whose_first_step_fails_gets_its_own_error_and_the_others_keep_their_times(monkeypatch):
+    """One variant's failing compile wrote its error over every row of its group (the H200 run of 2026-11-27 showed
+    'gpt compiled' failing with the error of 'gpt compiled + all kernels')."""
+    import dataclasses
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import in_model
+
+    real_set_up = in_model.set_up
+
+    def set_up(model_name, variant, run, device):
+        runner = real_set_up(model_name, variant, run, device)
+        if variant.name != "compiled + all kernels":
+            return runner
+
+        def fails(*batch):
+            raise RuntimeError("the compile failed")
+
+        return dataclasses.replace(runner, step=fails)
+
+    monkeypatch.setattr(in_model, "set_up", set_up)
+    rows = []
+    in_model.run_models(lambda **row: rows.append(row), "smoke", lambda: False, models=("vit",))
+    compiled = {row["variant"]: row for row in rows if row["compiled"]}
+    assert compiled["compiled + all kernels"]["error"] == "RuntimeError: the compile failed"
+    assert compiled["compiled"]["error"] == "" and compiled["compiled"]["step_ms"] > 0, compiled
