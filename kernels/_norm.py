@@ -309,10 +309,9 @@ def _backward(
     n_partials = (weight is not None) + has_bias
     # No rows, no launch: the partials must then be zeros (a sum of nothing), not whatever the memory held.
     allocate = torch.empty if n_rows else torch.zeros
-    # Two dimensions, never a leading one of size 1: under torch.compile with a dynamic batch, Inductor gives a
-    # user kernel's argument exactly the strides the trace saw, and a size-1 dimension's symbolic stride
-    # (n_cols * Max(1, programs) there, n_cols * programs in Inductor) made it copy the buffer onto itself after the
-    # launch: a node depending on itself, "InductorError: KeyError: 'op24'" (torch 2.11; pytorch#189271).
+    # Two dimensions, never a leading one of size 1: under compile with a dynamic batch, Inductor gives a Triton
+    # kernel's argument the traced strides, and a size-1 dimension's (n_cols * Max(1, programs), n_cols * programs in
+    # Inductor) made it copy the buffer onto itself: "InductorError: KeyError: 'op24'" (pytorch#189271).
     partials = allocate((n_partials * programs, n_cols), dtype=torch.float32, device=x.device) if n_partials else dx
     if n_rows > 0:
         launch(
