@@ -147,3 +147,25 @@ def test_the_keys_across_devices_are_lightnings_with_no_global_mfu(root):
         "device/batches_per_sec", "device/samples_per_sec", "device/items_per_sec", "device/flops_per_sec",
         "device/mfu", "batches_per_sec", "samples_per_sec", "items_per_sec", "flops_per_sec",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_peak_patched_at_lightnings_path_gives_the_monitors_mfu(world_size):
+    # Lightning's test_throughput_monitor and test_throughput_monitor_world_size patch get_available_flops at the
+    # utilities path; the monitor looked it up in the module that defines it, and reported no MFU on a CPU.
+    from unittest import mock
+
+    logger = mock.Mock()
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=logger)
+    with mock.patch("fabriclite.utilities.throughput.get_available_flops", return_value=100):
+        monitor = ThroughputMonitor(fabric, window_size=4)
+    monitor.world_size = world_size  # as if there were more devices
+    for step in range(1, 6):  # a step a second, 3 samples of 2 items each, 10 FLOPs per device
+        monitor.update(time=step + 0.5, batches=step, samples=3 * step, lengths=6 * step, flops=10)
+        monitor.compute_and_log()
+    logged = [c.kwargs["metrics"] for c in logger.log_metrics.mock_calls]
+    assert [("device/mfu" in metrics) for metrics in logged] == [False, False, False, True, True]
+    for metrics in logged[3:]:
+        assert metrics["device/mfu"] == pytest.approx(0.1) and metrics["device/flops_per_sec"] == pytest.approx(10)
+        assert metrics["device/items_per_sec"] == pytest.approx(6)
+        assert metrics.get("flops_per_sec") == (pytest.approx(20) if world_size == 2 else None)
