@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from fabriclite.rank_zero import rank_zero_only
+
 if TYPE_CHECKING:
     from fabriclite.fabric import Fabric
 
@@ -281,19 +283,21 @@ class ThroughputMonitor(Throughput):
         self._fabric = fabric
         self.step = -1
 
+    # Rank 0 as ``rank_zero_only`` knows it (what a parallel strategy sets), as in Lightning: a stand-in for the
+    # Fabric (a test's mock) counts as rank 0 too.
     def update(self, **totals: Any) -> None:
-        if self._fabric.global_rank == 0:
+        if rank_zero_only.rank == 0:
             super().update(**totals)
 
     def compute(self) -> dict[str, float]:
-        return super().compute() if self._fabric.global_rank == 0 else {}
+        return super().compute() if rank_zero_only.rank == 0 else {}
 
     def compute_and_log(self, step: int | None = None) -> dict[str, float]:
         """Compute the metrics and log them at ``step`` (by default one more than the last call's)."""
         self.step = self.step + 1 if step is None else step
         metrics = self.compute()
         if metrics:
-            self._fabric.log_dict(metrics, step=self.step)
+            self._fabric.log_dict(metrics=metrics, step=self.step)  # Lightning's keywords (mocks compare them)
         return metrics
 
 

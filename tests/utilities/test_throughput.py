@@ -169,3 +169,22 @@ def test_a_peak_patched_at_lightnings_path_gives_the_monitors_mfu(world_size):
         assert metrics["device/mfu"] == pytest.approx(0.1) and metrics["device/flops_per_sec"] == pytest.approx(10)
         assert metrics["device/items_per_sec"] == pytest.approx(6)
         assert metrics.get("flops_per_sec") == (pytest.approx(20) if world_size == 2 else None)
+
+
+def test_the_monitor_counts_on_rank_zero_as_rank_zero_only_knows_it(monkeypatch):
+    # Lightning's test_throughput_monitor_step gives the monitor a Mock for the Fabric: a Mock's global_rank is no 0,
+    # so the monitor counted nothing; Lightning gates on rank_zero_only, as here.
+    from unittest import mock
+
+    from fabriclite.rank_zero import rank_zero_only
+    from fabriclite.plugins import Precision
+
+    fabric = mock.Mock(world_size=1)
+    fabric.strategy.precision = Precision()
+    monitor = ThroughputMonitor(fabric)
+    monitor.update(time=0.5, batches=1, samples=3)
+    assert monitor.compute_and_log() == {"time": 0.5, "batches": 1, "samples": 3}
+    assert fabric.log_dict.mock_calls == [mock.call(metrics={"time": 0.5, "batches": 1, "samples": 3}, step=0)]
+    monkeypatch.setattr(rank_zero_only, "_rank", 1)  # as a parallel strategy sets it on rank 1
+    monitor.update(time=1.5, batches=2, samples=6)
+    assert monitor.compute_and_log() == {}
