@@ -103,6 +103,7 @@ class Fabric(LegacyAPI):
         self._launched = not self._strategy.launcher.starts_processes
         if self._launched:
             self._strategy.setup_environment()
+            self._strategy.announce()
         self._prepare_run()
 
     def __reduce__(self) -> tuple:
@@ -159,6 +160,7 @@ class Fabric(LegacyAPI):
     def _run_launched(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # Runs in every process the launcher is responsible for, once it exists.
         self._strategy.setup_environment()
+        self._strategy.announce()
         self._launched = True
         return function(self, *args, **kwargs)
 

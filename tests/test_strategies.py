@@ -172,3 +172,40 @@ def test_a_distributed_strategy_runs_two_processes_through_its_own_interface(kin
     out = run_python(str(SCRIPTS / "strategy_checks.py"), kind, timeout=240).stdout
     assert_passed(out, CHECKS)
     assert_passed(out, ["rank 0's result comes back"], ranks=("0",))
+
+
+_ANNOUNCED = """
+import logging, sys
+from fabriclite import Fabric
+if "quiet" in sys.argv:
+    logging.getLogger("fabriclite").setLevel(logging.WARNING)  # as a script silences Lightning's info lines
+fabric = Fabric(accelerator="cpu", devices=int(sys.argv[1]), strategy=sys.argv[2], precision="bf16-mixed")
+fabric.launch()
+"""
+
+
+def test_a_run_says_on_rank_zero_what_runs_in_lightnings_words_and_is_silenced_as_lightnings(tmp_path):
+    script = tmp_path / "announced.py"  # a file: the launcher runs it again for rank 1
+    script.write_text(_ANNOUNCED)
+    one = run_python(str(script), "1", "auto", timeout=120).stderr
+    assert one.splitlines() == [
+        "Using bfloat16 Automatic Mixed Precision (AMP)",
+        "fabriclite: SingleDeviceStrategy, 1 process, cpu, precision bf16-mixed",
+    ], one
+    two = run_python(str(script), "2", "ddp", timeout=300).stderr
+    # Each rank says it joins (as Lightning's log.info), rank 0 alone the rest, once.
+    for line in (
+        "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2",
+        "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2",
+    ):
+        assert two.count(line) == 1, two
+    for line in (
+        "Using bfloat16 Automatic Mixed Precision (AMP)",
+        "distributed_backend=gloo",
+        "All distributed processes registered. Starting with 2 processes",
+        "fabriclite: DDPStrategy, 2 processes, cpu, precision bf16-mixed",
+    ):
+        assert two.count(line) == 1, two
+    quiet = run_python(str(script), "2", "ddp", "quiet", timeout=300).stderr
+    assert "Automatic Mixed Precision" not in quiet and "fabriclite: " not in quiet, quiet
+    assert "Initializing distributed" not in quiet and "registered" not in quiet, quiet

@@ -29,7 +29,7 @@ from fabriclite.plugins.environments import (
     cpu_threads_per_process,
     detect_environment,
 )
-from fabriclite.rank_zero import rank_zero_only
+from fabriclite.rank_zero import log, rank_zero_info, rank_zero_only
 from fabriclite.strategies.strategy import Strategy
 from fabriclite.processes.watchdog import StallWatchdog, saying_who_has_not_joined
 from fabriclite.utilities.imports import reset_compiler
@@ -165,7 +165,12 @@ class ParallelStrategy(Strategy):
             store, rank, world_size = next(
                 dist.rendezvous("env://", rank=self.global_rank, world_size=self.world_size, timeout=join_timeout)
             )
+            log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
+        rank_zero_info(  # Lightning's words
+            f"{'-' * 100}\ndistributed_backend={backend}\n"
+            f"All distributed processes registered. Starting with {world_size} processes\n{'-' * 100}\n"
+        )
         if self.stall_timeout is not None and self.world_size > 1:
             self.watchdog = StallWatchdog(self.global_rank, self.world_size, self.stall_timeout, self.timeout)
             self.watchdog.start()

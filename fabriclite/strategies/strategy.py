@@ -15,6 +15,7 @@ from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO, TorchCheckpointIO
 from fabriclite.processes.launcher import InProcessLauncher
 from fabriclite.plugins.precision import Precision
+from fabriclite.rank_zero import rank_zero_info
 
 
 class Strategy:
@@ -72,6 +73,19 @@ class Strategy:
         assert self.accelerator is not None, "Strategy.configure comes first"
         self.root_device = self._device or self.accelerator.device(self.local_rank)
         self.accelerator.setup_device(self.root_device)
+
+    def announce(self) -> None:
+        """Say on rank 0, once the processes run, what runs: the strategy, how many processes on which device, the
+        precision (``logging.getLogger("fabriclite").setLevel(logging.WARNING)`` silences it, and Lightning's info
+        lines with it). Once per process: ``launch()`` after a Fabric that joined at construction says nothing more."""
+        if self.__dict__.setdefault("_announced", False):
+            return
+        self._announced = True
+        processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
+        nodes = getattr(self, "num_nodes", 1)
+        where = f"{processes} on {nodes} nodes" if nodes > 1 else processes
+        precision = getattr(self.precision, "name", "32-true")
+        rank_zero_info(f"fabriclite: {type(self).__name__}, {where}, {self.root_device.type}, precision {precision}")
 
     # Process layout.
     @property

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fabriclite._collections import apply_to_collection
-from fabriclite.rank_zero import rank_zero_warn
+from fabriclite.rank_zero import rank_zero_info, rank_zero_warn
 
 
 @contextmanager
@@ -350,6 +350,9 @@ def select_precision(name: str, device: torch.device) -> Precision:
         )
         name = "bf16-mixed"
     if name.endswith("-mixed"):
+        # Lightning Fabric's words, for log readers and tests that look for them.
+        amp = "16-bit" if name == "16-mixed" else "bfloat16"
+        rank_zero_info(f"Using {amp} Automatic Mixed Precision (AMP)", stacklevel=5)
         return MixedPrecision(name, device)
     return TruePrecision(name, device)
 
