@@ -4,7 +4,7 @@ Usage: ``from fabriclite import Fabric, seed_everything``.
 """
 
 # First: with a torch older than fabriclite supports, this raises an ImportError saying which torch is needed.
-import fabriclite.utilities.imports  # noqa: F401
+import fabriclite._versions  # noqa: F401
 from fabriclite.fabric import Fabric
 from fabriclite.seed import seed_everything
 from fabriclite.wrappers import is_wrapped

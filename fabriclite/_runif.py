@@ -78,6 +78,6 @@ def _runif_reasons(
 
 
 def _dynamo_supported() -> bool:
-    from fabriclite.utilities.imports import dynamo_supported
+    from fabriclite._versions import dynamo_supported
 
     return dynamo_supported()

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from fabriclite._blocks import repeated_blocks
-from fabriclite.utilities.imports import (
+from fabriclite._versions import (
     compile_backend,
     current_compile_id,
     default_compile_backend,

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import triton
 
-from fabriclite.utilities.imports import traced_triton_launch
+from fabriclite._versions import traced_triton_launch
 
 # Kernel launches by kernel name. Tests read it to prove a Triton kernel ran (there is no torch fallback to hide
 # behind); it costs one dict update per launch.

@@ -29,7 +29,6 @@ The forward kernel can also write the gradient for grad_output 1 in the same lau
 sweep): ``linear_cross_entropy`` does, over each chunk's logits.
 """
 
-
 import torch
 import triton
 import triton.language as tl

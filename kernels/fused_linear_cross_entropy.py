@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from fabriclite.kernels import fused_cross_entropy
 from fabriclite.kernels._common import as_rows, cast, check_dtypes, library_op
 from fabriclite.kernels._linear_cross_entropy_kernels import fold, overwrite_with_gradient
-from fabriclite.utilities.imports import addmm_out_dtype_supported
+from fabriclite._versions import addmm_out_dtype_supported
 
 _REDUCTIONS = ("mean", "sum", "none")
 # Vocabulary columns per chunk; None picks _chunk_cols(). Tests lower it to run many chunks on small shapes.

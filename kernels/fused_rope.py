@@ -11,7 +11,6 @@ Llama). cos and sin are constants here (Llama computes them from positions); a c
 refused rather than given a silent zero gradient.
 """
 
-
 import torch
 import triton
 import triton.language as tl

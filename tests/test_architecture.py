@@ -1,6 +1,6 @@
 """The shape of the package, checked from its source: the layers only point down (no import cycle, no import up
 the layer table of docs/architecture.md, imports inside functions counted), each strategy name is written once,
-``utilities/`` only re-exports (except the version module, ``utilities/imports.py``), no private torch name is used
+``utilities/`` only re-exports, no private torch name is used
 outside the version module, no module grows past 500 lines, and ``Fabric.launch`` asks its launcher, not its type."""
 
 import ast
@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import import_graph  # noqa: E402
 
 MAX_LINES = 500
-VERSION_MODULE = ROOT / "fabriclite" / "utilities" / "imports.py"
+VERSION_MODULE = ROOT / "fabriclite" / "_versions.py"
 
 
 def test_no_import_cycle_among_the_package_modules():
@@ -42,7 +42,7 @@ def test_imports_inside_functions_and_relative_imports_count(tmp_path, monkeypat
 
 def test_no_import_runs_up_the_layer_table_and_every_module_has_a_row():
     table = import_graph.layers(import_graph.ARCHITECTURE.read_text())
-    assert ["utilities/imports.py"] == table[0] and "strategies/" in table[-4]  # the table was read: lowest first
+    assert ["_versions.py"] == table[0] and "strategies/" in table[-4]  # the table was read: lowest first
     assert import_graph.upward_imports(import_graph.graph(), table) == []
 
 
@@ -88,8 +88,6 @@ def test_the_utilities_folder_only_re_exports_the_core():
     # the core module itself under Lightning's name (``sys.modules[__name__] = module``: one module, two paths).
     defining = {}
     for path in sorted((ROOT / "fabriclite" / "utilities").glob("*.py")):
-        if path == VERSION_MODULE:  # Lightning's path for the version flags; the lowest layer, not a re-export
-            continue
         body = ast.parse(path.read_text()).body
         kept = [
             node
@@ -149,7 +147,7 @@ def test_no_private_torch_name_is_used_outside_the_version_module():
         for path in sorted((ROOT / folder).rglob("*.py"))
         if path != VERSION_MODULE and (names := private_torch_names(path.read_text()))
     }
-    assert used == {}, "use these through fabriclite/utilities/imports.py, which knows which torch versions have them"
+    assert used == {}, "use these through fabriclite/_versions.py, which knows which torch versions have them"
     assert len(private_torch_names(VERSION_MODULE.read_text())) >= 5  # the finder sees the ones that belong there
 
 

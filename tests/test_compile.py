@@ -174,7 +174,7 @@ def test_the_vector_instruction_check_runs_once_per_cache_folder_and_later_proce
     monkeypatch, tmp_path
 ):
     from fabriclite.compile import _vec_isa_option
-    from fabriclite.utilities.imports import inductor_vec_isa_all_pass, inductor_vec_isa_fingerprint
+    from fabriclite._versions import inductor_vec_isa_all_pass, inductor_vec_isa_fingerprint
 
     if inductor_vec_isa_fingerprint() is None:
         pytest.skip("off x86-64 Linux, or with TORCHINDUCTOR_VEC_ISA_OK set, Inductor's own check decides")
@@ -263,7 +263,7 @@ print(json.dumps({"cached": cached, "eager": eager, "compiled": compiled, "repor
 
 
 def precompile_supported():
-    from fabriclite.utilities.imports import precompile_supported
+    from fabriclite._versions import precompile_supported
 
     return precompile_supported()
 

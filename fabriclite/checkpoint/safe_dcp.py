@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from fabriclite.checkpoint.errors import CheckpointError
-from fabriclite.utilities.imports import dcp_metadata_path
+from fabriclite._versions import dcp_metadata_path
 
 # Everything a .metadata that DCP writes for tensors is built from (plus torch's dtypes, checked by type).
 _METADATA_CLASSES = {

@@ -58,7 +58,7 @@ from fabriclite.strategies.sharding import (
     module_policy,
     no_gradient_sync,
 )
-from fabriclite.utilities.imports import checkpoint_activations
+from fabriclite._versions import checkpoint_activations
 
 
 # FSDP1's keyword arguments (FullyShardedDataParallel's, which Lightning's FSDPStrategy passes on) that FSDP2 has no

@@ -32,7 +32,7 @@ from fabriclite.plugins.environments import (
 from fabriclite.rank_zero import log, rank_zero_info, rank_zero_only
 from fabriclite.strategies.strategy import Strategy
 from fabriclite.processes.watchdog import StallWatchdog, saying_who_has_not_joined
-from fabriclite.utilities.imports import reset_compiler
+from fabriclite._versions import reset_compiler
 
 # How a launch starts the processes: run the script again ("popen" is Lightning's name for it), or multiprocessing.
 _JOIN_TIMEOUT = timedelta(minutes=30)  # the longest a process waits for the others to start and join

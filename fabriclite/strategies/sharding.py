@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fabriclite.rank_zero import rank_zero_warn
-from fabriclite.utilities.imports import average_gradients_on_gloo, device_constructors
+from fabriclite._versions import average_gradients_on_gloo, device_constructors
 
 if TYPE_CHECKING:  # importing FSDP is slow; materialize_meta_tensors is also used without it
     from torch.distributed.fsdp import FSDPModule

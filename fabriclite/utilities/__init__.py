@@ -14,7 +14,7 @@ from fabriclite.utilities.rank_zero import (
     rank_zero_warn,
 )
 from fabriclite.utilities.seed import pl_worker_init_function, reset_seed, seed_everything
-from fabriclite.utilities.throughput import Throughput, ThroughputMonitor, get_available_flops, measure_flops
+from fabriclite.throughput import Throughput, ThroughputMonitor, get_available_flops, measure_flops
 
 __all__ = [
     "AttributeDict",

@@ -15,7 +15,7 @@ from fabriclite import Fabric
 from fabriclite.plugins.collectives import TorchCollective
 from fabriclite.plugins.collectives.collective import CollectibleGroup
 from fabriclite.strategies import DDPStrategy
-from fabriclite.utilities.imports import process_groups
+from fabriclite._versions import process_groups
 
 world = TorchCollective()
 pair = TorchCollective()

@@ -1,4 +1,4 @@
-"""The version module (``fabriclite.utilities.imports``): the oldest torch it accepts is the one pyproject.toml,
+"""The version module (``fabriclite._versions``): the oldest torch it accepts is the one pyproject.toml,
 the README and CI name, an older one is refused at import saying which is installed and which is needed, and the
 fallbacks it keeps for versions that lack a torch name."""
 
@@ -12,7 +12,7 @@ import torch
 from helpers import ROOT, python_env
 from torch.distributed.checkpoint import FileSystemReader
 
-from fabriclite.utilities.imports import TORCH_FLOOR, check_torch_version, dcp_metadata_path, traced_triton_launch
+from fabriclite._versions import TORCH_FLOOR, check_torch_version, dcp_metadata_path, traced_triton_launch
 
 pytestmark = pytest.mark.torch_versions  # also run on the other torch versions CI tests
 FLOOR = ".".join(map(str, TORCH_FLOOR))

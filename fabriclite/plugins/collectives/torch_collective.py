@@ -22,7 +22,7 @@ from torch import Tensor
 
 from fabriclite._types import CollectibleGroup, RedOpType, ReduceOp
 from fabriclite.plugins.collectives.collective import Collective
-from fabriclite.utilities.imports import process_groups
+from fabriclite._versions import process_groups
 
 
 class TorchCollective(Collective):
