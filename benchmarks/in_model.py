@@ -80,6 +80,11 @@ MODEL_SIZES = {
     ),
 }
 MODEL_SIZES["quick"] = replace(MODEL_SIZES["full"], steps=3, rounds=3)
+# tools/cuda_codegen.py's (Inductor's CUDA code generation on a CPU): the smoke sizes with the smallest GPT that
+# showed the H200's "KeyError: 'op24'" (2 layers, 2048-token windows: the norm backward's program count symbolic).
+MODEL_SIZES["small"] = replace(
+    MODEL_SIZES["smoke"], gpt={"block_size": 2048, "vocab_size": 256, "n_layer": 2, "n_head": 2, "n_embd": 128}
+)
 
 
 def variants(model: str) -> list[Variant]:
