@@ -2,12 +2,14 @@
 
 The data is scikit-learn's bundled digits set (1797 images of 8x8 pixels, nothing is downloaded). The
 "pretrained" weights are made by this project itself: examples/vit/pretrain.py trains the same ViT
-without labels (contrastive learning on augmented images) and saves its state dict. The first run
-does that pretraining, a one-off cost; later runs load the saved file. Then the head is replaced by a
-fresh 10-class one and the whole model is fine-tuned on the labelled training split.
+without labels (contrastive learning on augmented images) and saves its state dict. The repository
+ships the file it made (examples/vit/pretrained/); `--weights PATH` uses another one, made there first
+if it does not exist yet. Then the head is replaced by a fresh 10-class one and the whole model is
+fine-tuned on the labelled training split.
 
 Usage:
-    python examples/demo.py                    # pretrain if needed, fine-tune, report test accuracy
+    python examples/demo.py                    # the shipped weights, fine-tune, report test accuracy
+    python examples/demo.py --weights my.pt    # pretrain into my.pt first (once), then the same
     python examples/demo.py --no-pretrained    # same fine-tuning budget from random weights, to compare
     python examples/demo.py --precision 32-true --epochs 10
 """
@@ -30,7 +32,7 @@ from fabriclite import Fabric, seed_everything  # noqa: E402
 from fabriclite.metrics import Accuracy  # noqa: E402
 from vit.data import NUM_CLASSES, load_digits_splits  # noqa: E402
 from vit.model import ViT, ViTConfig, load_pretrained  # noqa: E402
-from vit.pretrain import DEFAULT_WEIGHTS, EPOCHS as PRETRAIN_EPOCHS, pretrain  # noqa: E402
+from vit.pretrain import EPOCHS as PRETRAIN_EPOCHS, SHIPPED_WEIGHTS, pretrain  # noqa: E402
 
 
 @torch.no_grad()
@@ -64,8 +66,8 @@ def main() -> None:
     parser.add_argument(
         "--weights",
         type=Path,
-        default=DEFAULT_WEIGHTS,
-        help="pretrained state dict (.pt, or .safetensors with `safetensors` installed); "
+        default=SHIPPED_WEIGHTS,
+        help="pretrained state dict (.pt, or .safetensors with `safetensors` installed; default: the shipped one); "
         "pretrained and saved here first if it does not exist",
     )
     parser.add_argument(
