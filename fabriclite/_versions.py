@@ -241,7 +241,7 @@ def inductor_cache_dir() -> str:
     """The folder Inductor keeps its compiled code in: ``TORCHINDUCTOR_CACHE_DIR``, else its default under the
     temporary folder.
 
-    Usage: ``Path(inductor_cache_dir()) / "fabriclite"``.
+    Usage: ``Path(inductor_cache_dir()) / "fabriclite-compile"``.
     """
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 

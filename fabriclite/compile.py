@@ -68,6 +68,9 @@ _WATCHED_CALLS = 8
 _RECOMPILES_BEFORE_WARNING = 3
 # Kinds of inputs (dtypes, whether they need gradients) a class of blocks gets saved graphs for, at most.
 _SAVED_KINDS = 4
+# fabriclite's folder in Inductor's cache folder: not a name Python can import, so that a script started in the cache
+# folder still imports the installed package (a folder named "fabriclite" there shadowed an editable install).
+_CACHE_FOLDER = "fabriclite-compile"
 
 
 # fabriclite's own keys in a compile dict, next to torch.compile's arguments.
@@ -204,7 +207,7 @@ def _vec_isa_option() -> dict[str, bool]:
     if fingerprint is None:  # not x86-64 Linux, an older torch, or the user set cpp.vec_isa_ok: Inductor decides
         return {}
     name = "vec-isa-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:24]
-    record = Path(inductor_cache_dir(), "fabriclite", name)
+    record = Path(inductor_cache_dir(), _CACHE_FOLDER, name)
     try:
         passed = record.read_text() == "pass"
     except OSError:
@@ -253,7 +256,7 @@ def _plain_block(block: torch.nn.Module) -> bool:
 
 class _SavedGraph:
     """The graphs of one class of a model's blocks, compiled ahead of time on the training calls that need one and
-    kept in Inductor's cache folder (``fabriclite/graphs/``), so that the next process that trains the same blocks
+    kept in Inductor's cache folder (``fabriclite-compile/graphs/``), so that the next process that trains the same blocks
     loads them instead of tracing and compiling. Shared by the blocks of the class, as Dynamo's graphs are.
 
     A saved graph is used only where nothing it was made from changed: the file's name is a hash of torch, Python,
@@ -307,7 +310,7 @@ class _SavedGraph:
                 kinds,
             )
         )
-        return Path(inductor_cache_dir(), "fabriclite", "graphs", hashlib.sha256(key.encode()).hexdigest()[:32])
+        return Path(inductor_cache_dir(), _CACHE_FOLDER, "graphs", hashlib.sha256(key.encode()).hexdigest()[:32])
 
     def _load(self, path: Path, block: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         try:

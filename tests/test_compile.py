@@ -2,8 +2,11 @@
 
 import importlib
 import json
+import os
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,7 +184,7 @@ def test_the_vector_instruction_check_runs_once_per_cache_folder_and_later_proce
     passes = inductor_vec_isa_all_pass()  # in the default folder, where earlier compiles built the test programs
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert _vec_isa_option() == ({"cpp.vec_isa_ok": True} if passes else {})
-    (record,) = (tmp_path / "fabriclite").iterdir()
+    (record,) = (tmp_path / "fabriclite-compile").iterdir()
     assert record.read_text() == ("pass" if passes else "fail")
     record.write_text("fail" if passes else "pass")  # what a later process finds is what it tells Inductor
     assert _vec_isa_option() == ({} if passes else {"cpp.vec_isa_ok": True})
@@ -291,6 +294,16 @@ def test_a_second_process_finds_every_graph_the_first_one_left_in_the_cache_fold
         torch.testing.assert_close(run["compiled"], run["eager"], rtol=1e-5, atol=1e-6)
         assert (run["report"]["graphs"], run["report"]["recompiles"]) == (1, 0)
     assert second["compiled"] == first["compiled"]  # the very kernels the first process compiled
+    # A script started in the cache folder imports the installed package: nothing there is a folder Python could take
+    # for it (one named "fabriclite" did: "cannot import name 'Fabric' from 'fabriclite' (unknown location)" under
+    # an editable install, which finds the package after the folders on the path).
+    assert not any(entry.name.isidentifier() for entry in Path(folder).iterdir() if entry.name.startswith("fabriclite"))
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    started_there = subprocess.run(
+        [sys.executable, "-c", "from fabriclite import Fabric"], cwd=folder, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert started_there.returncode == 0, started_there.stderr
 
 
 @pytest.mark.torch_versions
