@@ -1,14 +1,16 @@
 """The tables and the issues' goals (met, MISSED or not measured) from the CSVs gpu_suite.py writes: models.csv,
 vit.csv, frameworks.csv, overhead.csv and kernels.csv in one folder. gpu_suite.py prints this at its end; run it alone to
-summarise a folder again, after a run that was cut short, say.
+summarise a folder again, after a run that was cut short, say. ``--verdict`` prints instead the one line that ends
+gpu_run.sh, from the whole folder it wrote.
 
-Usage: ``python benchmarks/gpu_summary.py DIR``.
+Usage: ``python benchmarks/gpu_summary.py DIR``; ``python benchmarks/gpu_summary.py --verdict OUT [--smoke]``.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -216,5 +218,54 @@ def summarize(folder: Path, notes: tuple[str, ...] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def verdict(out: Path, smoke: bool = False) -> tuple[bool, str]:
+    """(passed, the line) for a folder gpu_run.sh wrote: ``GPU CHECKS PASSED`` or ``GPU CHECKS FAILED: ...`` naming
+    each step that did not end 0 (or did not start), each kernel test that failed, each models or kernels row with an
+    error, and a talk's run without its RESULT line. Rows the suite skipped for time (by design, the least important
+    last) are counted, not failed. A ``smoke`` run says SMOKE instead of GPU: it measures nothing.
+
+    Usage: ``passed, line = verdict(Path("OUT"))``.
+    """
+
+    def text(name: str) -> str | None:
+        path = out / name
+        return path.read_text(errors="replace") if path.exists() else None
+
+    failures, skipped = [], 0
+    log = text("run.log") or ""
+    for name, code in re.findall(r"^===== ([\w-]+): exit (\d+) after", log, re.MULTILINE):
+        if code != "0":
+            failures.append(f"{name} exited {code}" + (" (out of time)" if code in ("124", "137") else ""))
+    failures += [f"{name} did not start (deadline)" for name in re.findall(r"^===== ([\w-]+): skipped", log, re.M)]
+    tests = text("kernel-tests-compiled.log")
+    if tests is not None:
+        failed = re.search(r"(\d+) (failed|error)", tests)
+        if failed:
+            failures.append(f"{failed.group(1)} kernel tests {failed.group(2)}")
+    for section in ("models", "kernels"):
+        for row in read(out / "suite", section):
+            error = row.get("error") or ""
+            if error.startswith("skipped"):
+                skipped += 1
+            elif error:
+                where = " ".join(
+                    row.get(key) or "" for key in ("model", "variant", "op", "shape", "mode", "implementation")
+                )
+                failures.append(f"{section} row '{' '.join(where.split())}': {error.splitlines()[0][:120]}")
+    for talk in ("talk-cold", "talk-warm"):
+        log_text = text(f"{talk}.log")
+        if log_text is not None and "RESULT" not in log_text:
+            failures.append(f"{talk}: the talk's run did not finish")
+    kind = "SMOKE" if smoke else "GPU"
+    note = f" ({skipped} rows skipped for time)" if skipped else ""
+    if failures:
+        return False, f"{kind} CHECKS FAILED: " + "; ".join(failures) + note
+    return True, f"{kind} CHECKS PASSED{note}"
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--verdict":
+        passed, line = verdict(Path(sys.argv[2]), smoke="--smoke" in sys.argv[3:])
+        print(line)
+        sys.exit(0 if passed else 1)
     print(summarize(Path(sys.argv[1])))

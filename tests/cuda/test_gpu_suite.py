@@ -67,7 +67,7 @@ def test_gpu_run_smoke_measures_every_model_variant_on_the_kernels_it_names_and_
     log = (tmp_path / "run.log").read_text()
     for step in ("host-cost", "models", "talk-cold", "talk-warm"):
         assert f"===== {step}: exit 0 after" in log, log
-    assert log.splitlines()[-1].startswith("VERDICT: ok: every step ended 0"), log
+    assert log.splitlines()[-1].startswith("SMOKE CHECKS PASSED"), log
     assert "| layer_norm |" in (tmp_path / "host-cost.md").read_text()
     assert "RESULT" in (tmp_path / "talk-warm.log").read_text()
     with tarfile.open(tmp_path / "results.tar.gz") as packed:
@@ -131,3 +131,31 @@ def test_a_model_variant_whose_first_step_fails_gets_its_own_error_and_the_other
     compiled = {row["variant"]: row for row in rows if row["compiled"]}
     assert compiled["compiled + all kernels"]["error"] == "RuntimeError: the compile failed"
     assert compiled["compiled"]["error"] == "" and compiled["compiled"]["step_ms"] > 0, compiled
+
+
+def test_the_gpu_runs_verdict_names_every_failed_step_test_row_and_unfinished_talk_run(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_summary import verdict
+
+    (tmp_path / "run.log").write_text(
+        "===== kernel-tests: exit 1 after 70 s\n===== models: exit 0 after 80 s\n===== kernels: exit 124 after 100 s\n"
+        "===== talk-warm: skipped, 540 s deadline reached\n"
+    )
+    (tmp_path / "kernel-tests-compiled.log").write_text("2 failed, 269 passed in 64.0s\n")
+    (tmp_path / "talk-cold.log").write_text("epoch 1/3 ...\n")  # no RESULT line: it did not finish
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "models.csv").write_text(
+        "model,variant,error\ngpt,compiled,\ngpt,compiled + all kernels,InductorError: KeyError: 'op24'\n"
+        "vit,compiled,skipped: out of time\n"
+    )
+    passed, line = verdict(tmp_path)
+    assert not passed and line.startswith("GPU CHECKS FAILED: ")
+    for part in ("kernel-tests exited 1", "kernels exited 124 (out of time)", "talk-warm did not start (deadline)",
+                 "2 kernel tests failed", "models row 'gpt compiled + all kernels': InductorError: KeyError: 'op24'",
+                 "talk-cold: the talk's run did not finish", "(1 rows skipped for time)"):  # fmt: skip
+        assert part in line, line
+    for name in ("run.log", "kernel-tests-compiled.log", "talk-cold.log", "suite/models.csv"):
+        (tmp_path / name).unlink()
+    (tmp_path / "run.log").write_text("===== models: exit 0 after 80 s\n")
+    (tmp_path / "talk-cold.log").write_text("RESULT ...\n")
+    assert verdict(tmp_path) == (True, "GPU CHECKS PASSED")
