@@ -1,7 +1,7 @@
 """With the kernels compiled, every library op is a ``torch.library.triton_op``: torch.compile traces into it and
 finds the Triton kernels themselves (``wrap_triton`` nodes, which Inductor launches from its own code), with no
 fabriclite op left opaque in the graph, with static shapes and with dynamic ones (``opcheck``'s AOT test, Dynamo's
-``dynamic=True`` and its automatic dynamic shapes). Traced on fake tensors in a process of its own
+``dynamic=True`` and its automatic dynamic shapes). Traced on meta tensors in a process of its own
 (``traced_ops.py``): the kernels compiled cannot run on a machine without a GPU, the GPU tests run them. The
 interpreter's tests take the other registration (a custom op), so without this file CI never traced the launch code
 a GPU runs: a width cached with ``functools.lru_cache`` crashed every op but the norms on an H200 once a shape was
