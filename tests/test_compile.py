@@ -455,3 +455,47 @@ def test_compile_with_kernels_leaves_the_norms_to_inductor_and_says_so(monkeypat
     launched = {name for name, count in _common.LAUNCHES.items() if count > before.get(name, 0)}
     assert not launched, launched
     assert fabric.compile_report()[0]["graph_breaks"] == 0
+
+
+WORKERS = """
+import os, subprocess, sys, torch
+from fabriclite import Fabric
+from fabriclite._versions import warm_compile_workers
+
+def workers():  # the compile worker processes this process started, by their command line
+    out = subprocess.run(["ps", "-o", "args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "compile_worker" in line]
+
+class CudaStrategy:  # a stand-in: Fabric's CUDA branch, on a machine without a GPU
+    root_device = torch.device("cuda", 0)
+    setup_environment = announce = lambda self: None
+
+fabric = Fabric(accelerator="cpu", compile=True)
+print("cpu", bool(workers()))
+fabric._strategy = CudaStrategy()
+fabric._compile = {"backend": "eager"}
+fabric._join()
+print("cuda eager", bool(workers()))
+if sys.argv[1] == "cuda inductor":
+    fabric._compile = {}
+    fabric._join()
+else:
+    print("direct", warm_compile_workers())
+print(sys.argv[1], bool(workers()))  # the pool's first process starts at once, its workers in the background
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["cuda inductor", "direct"])
+def test_a_process_that_will_compile_for_a_gpu_starts_inductors_workers_when_it_joins_the_run(how):
+    # Without it the first compile's Triton kernels compile one by one in the process until the workers are up.
+    # Only where Inductor compiles Triton for a GPU: not on a CPU (C++ in threads), not for another backend.
+    done = run_python("-c", WORKERS, how, timeout=540)
+    assert done.stdout.split("\n")[:2] == ["cpu False", "cuda eager False"], done.stdout
+    assert f"{how} True" in done.stdout, done.stdout + done.stderr
+
+
+def test_one_compile_thread_starts_no_workers():
+    code = "from fabriclite._versions import warm_compile_workers; print(warm_compile_workers())"
+    done = run_python("-c", code, TORCHINDUCTOR_COMPILE_THREADS="1", timeout=300)
+    assert done.stdout.split() == ["False"], done.stdout
