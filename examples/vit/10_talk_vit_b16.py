@@ -89,6 +89,19 @@ def loud(message: str) -> None:
 VIT_B16 = ViTConfig(image_size=224, patch_size=16, in_channels=3, dim=768, depth=12, heads=12, num_classes=NUM_CLASSES)
 
 
+def random_init_config(args: argparse.Namespace) -> ViTConfig:
+    """The examples' ViT that --synthetic trains: --image-size, --dim, --depth, a head per 64 of the width."""
+    return ViTConfig(
+        image_size=args.image_size,
+        patch_size=16,
+        in_channels=3,
+        dim=args.dim,
+        depth=args.depth,
+        heads=max(1, args.dim // 64),
+        num_classes=NUM_CLASSES,
+    )
+
+
 def load_model(args: argparse.Namespace, fabric: Fabric) -> tuple[torch.nn.Module, str, ViTConfig]:
     """ViT-B/16 with ImageNet weights and a fresh 10-class head, from torchvision or timm; else random init, made
     on the device (initialising 86M parameters on the CPU and copying them over takes seconds). With the model,
@@ -113,15 +126,7 @@ def load_model(args: argparse.Namespace, fabric: Fabric) -> tuple[torch.nn.Modul
                 return model, "timm vit_base_patch16_224, pretrained weights", VIT_B16
         except ImportError:
             pass
-    config = ViTConfig(
-        image_size=args.image_size,
-        patch_size=16,
-        in_channels=3,
-        dim=args.dim,
-        depth=args.depth,
-        heads=max(1, args.dim // 64),
-        num_classes=NUM_CLASSES,
-    )
+    config = random_init_config(args)
     loud(
         f"RANDOM INITIALISATION: no pretrained ViT-B/16 was loaded (--synthetic, no torchvision/timm, or weights "
         f"not cached; --download fetches them). Model: the examples' ViT, {config}."
@@ -184,6 +189,48 @@ def evaluate(model, loader, device, size):
     return accuracy.compute().item()
 
 
+def closing_lines(
+    args: argparse.Namespace,
+    config: ViTConfig,
+    device: torch.device,
+    train_images: int,
+    test_images: int,
+    train_seconds: float,
+    accuracy: float,
+    model: str,
+    data: str,
+) -> str:
+    """The run's closing lines, read now: the end-to-end wall time from the process's start, the last epoch's
+    training rate (``train_images`` of this process in ``train_seconds``) and its MFU, the whole run's MFU (each
+    epoch trains ``train_images`` and evaluates ``test_images``), the peak memory, the test accuracy, the RESULT
+    line. Shared with benchmarks/talk_raw.py, so that the two runs report alike.
+
+    Usage: ``print(closing_lines(args, config, device, 49920, 10000, 15.3, 0.98, "random init", "synthetic"))``.
+    """
+    seconds = process_seconds()
+    images_per_second = train_images * args.devices / train_seconds
+    peak = get_available_flops(device, torch.bfloat16)
+    train_mfu = train_images / train_seconds * config.flops() / peak if peak else None
+    flops = args.epochs * (config.flops() * train_images + config.flops(training=False) * test_images)
+    summary = results(
+        seconds,
+        device,
+        accuracy,
+        flops,
+        timed="end-to-end wall time (from the process's start)",
+        extra={
+            "images_per_s": round(images_per_second, 1),
+            "train_mfu": None if train_mfu is None else round(train_mfu, 4),
+            "model": model,
+            "data": data,
+        },
+    )
+    mfu = "n/a (no bf16 peak known for this device)" if train_mfu is None else f"{train_mfu:.1%}"
+    return (
+        f"training images/s (last epoch, all devices): {images_per_second:.0f}; MFU of that training: {mfu}\n{summary}"
+    )
+
+
 def main():
     args = parse_args()
     torch.manual_seed(args.seed)
@@ -230,36 +277,13 @@ def main():
             f"epoch {epoch + 1}/{args.epochs}  loss {loss_value:.3f}  test acc {100 * test_accuracy:.1f}%  "
             f"train {train_seconds:.1f} s, epoch with eval {time.perf_counter() - epoch_start:.1f} s"
         )
-    seconds = process_seconds()
-
-    images_per_second = len(train_loader) * args.batch_size * args.devices / train_seconds
-    peak = get_available_flops(fabric.device, torch.bfloat16)
-    train_mfu = images_per_second / args.devices * config.flops() / peak if peak else None
-    fabric.print(
-        f"training images/s (last epoch, all devices): {images_per_second:.0f}; MFU of that training: "
-        f"{'n/a (no bf16 peak known for this device)' if train_mfu is None else f'{train_mfu:.1%}'}"
-    )
     if args.compile:
         fabric.print(f"compile: {fabric.compile_report()}")
-    # This process's share of the FLOPs: its batches of every epoch, and its share of the test images.
-    flops = args.epochs * (
-        config.flops() * len(train_loader) * args.batch_size + config.flops(training=False) * len(test_loader.sampler)
-    )
+    # This process's share of the images: its batches of every epoch, and its share of the test images.
     fabric.print(
-        results(
-            seconds,
-            fabric.device,
-            test_accuracy,
-            flops,
-            timed="end-to-end wall time (from the process's start)",
-            extra={
-                "images_per_s": round(images_per_second, 1),
-                "train_mfu": None if train_mfu is None else round(train_mfu, 4),
-                "model": weights,
-                "data": data,
-            },
-        )
-    )
+        closing_lines(args, config, fabric.device, len(train_loader) * args.batch_size, len(test_loader.sampler),
+                      train_seconds, test_accuracy, weights, data)
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
