@@ -156,12 +156,12 @@ def inductor_options(options: dict[str, Any]) -> Any:
 
 def precompile_supported() -> bool:
     """Whether this torch can compile a function ahead of time into bytes that a later process loads instead of
-    compiling (``torch._dynamo.aot_compile``, experimental), with Inductor's caches on. From torch 2.13, the first
-    torch it was checked on; older ones compile as before.
+    compiling (``torch._dynamo.aot_compile``, experimental), with Inductor's caches on. From torch 2.11 (checked on
+    2.11, 2.13, 2.14 and 2.15, not 2.12); older ones have no ``aot_compile`` and compile as before.
 
     Usage: ``if precompile_supported(): compiled = precompile(block.forward, (x,), {}, backend)``.
     """
-    if _TORCH_VERSION < (2, 13):
+    if _TORCH_VERSION < (2, 11):
         return False
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph  # noqa: F401

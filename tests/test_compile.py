@@ -271,6 +271,7 @@ def precompile_supported():
     return precompile_supported()
 
 
+@pytest.mark.torch_versions
 def test_a_second_process_finds_every_graph_the_first_one_left_in_the_cache_folder_and_trains_the_same(tmp_path):
     # Two real processes sharing one empty Inductor cache folder. A whole model: the vector instruction option must
     # be the same in both (it is part of each cached graph's key), or the second process would compile everything
@@ -307,7 +308,7 @@ def test_a_second_process_finds_every_graph_the_first_one_left_in_the_cache_fold
 
 
 @pytest.mark.torch_versions
-@pytest.mark.skipif(not precompile_supported(), reason="fabriclite saves compiled graphs from torch 2.13 on")
+@pytest.mark.skipif(not precompile_supported(), reason="fabriclite saves compiled graphs from torch 2.11 on")
 def test_a_saved_graph_is_compiled_again_when_the_models_code_or_its_blocks_change(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.syspath_prepend(str(tmp_path))
