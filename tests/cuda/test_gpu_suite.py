@@ -70,7 +70,8 @@ def test_gpu_run_smoke_measures_every_model_variant_on_the_kernels_it_names_and_
     for step in ("host-cost", "models", "talk-cold", "talk-warm"):
         assert f"===== {step}: exit 0 after" in log, log
     assert log.splitlines()[-1].startswith("SMOKE CHECKS PASSED"), log
-    assert "| layer_norm |" in (tmp_path / "host-cost.md").read_text()
+    host_cost = (tmp_path / "host-cost.md").read_text()
+    assert "| layer_norm |" in host_cost and "_norm.py" in host_cost.split("spends its host time", 1)[1], host_cost
     assert "RESULT" in (tmp_path / "talk-warm.log").read_text()
     with tarfile.open(tmp_path / "results.tar.gz") as packed:
         assert {"./run.log", "./suite/models.csv", "./talk-cold.log"} <= set(packed.getnames())
