@@ -40,9 +40,9 @@ from fabriclite.kernels._common import (
     num_warps,
     reduction_programs,
     row_block,
+    row_loop_measured_faster,
     rows_and_strides,
 )
-from fabriclite.kernels.swap import row_loop_measured_faster
 
 
 @triton.jit
@@ -204,7 +204,7 @@ def _launch_sizes(n_cols: int) -> tuple[int, int]:
 # row), ELEMENTS_PER_THREAD of them per thread, with the next tile loaded ahead, take 64-87 registers up to width
 # 2048 (3-8 programs of 4-8 warps fit), and at 4096 64-101 (two or one of 16 warps), with twice the bytes on their
 # way. Rows wider than PREFETCH_MAX_BLOCK take the row loop, whose registers they already fill; so do the widths where
-# it measured faster (kernels/swap.py). ROW_LOOP_BACKWARD = True: the row loop everywhere, for benchmarks/kernels.py.
+# it measured faster (_common.ROW_LOOP_WINS). ROW_LOOP_BACKWARD = True: the row loop everywhere, for benchmarks/kernels.py.
 TILE_ELEMENTS = 1024
 ELEMENTS_PER_THREAD = 8
 PREFETCH_MAX_BLOCK = 8192

@@ -459,13 +459,18 @@ def test_compile_with_kernels_leaves_the_norms_to_inductor_and_says_so(monkeypat
 
 
 WORKERS = """
-import os, subprocess, sys, torch
+import os, subprocess, sys, time, torch
 from fabriclite import Fabric
 from fabriclite._versions import warm_compile_workers
 
-def workers():  # the compile worker processes this process started, by their command line
-    out = subprocess.run(["ps", "-o", "args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "compile_worker" in line]
+def workers(wait=0):  # the compile worker processes this process started, by their command line
+    deadline = time.monotonic() + wait  # a child shows its own command line only once it has started it
+    while True:
+        out = subprocess.run(["ps", "-o", "args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+        found = [line for line in out.splitlines() if "compile_worker" in line]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 class CudaStrategy:  # a stand-in: Fabric's CUDA branch, on a machine without a GPU
     root_device = torch.device("cuda", 0)
@@ -482,7 +487,7 @@ if sys.argv[1] == "cuda inductor":
     fabric._join()
 else:
     print("direct", warm_compile_workers())
-print(sys.argv[1], bool(workers()))  # the pool's first process starts at once, its workers in the background
+print(sys.argv[1], bool(workers(wait=120)))  # the pool's first process starts at once, its workers in the background
 """
 
 

@@ -5,7 +5,7 @@ import torch
 from kernel_checks import DEVICE, assert_matches, launched
 from torch import nn
 
-from fabriclite.kernels import LayerNorm, RMSNorm, kernels_available, swap, swap_modules
+from fabriclite.kernels import LayerNorm, RMSNorm, _common, kernels_available, swap, swap_modules
 from fabriclite.kernels.swap import ops_to_swap
 
 pytestmark = pytest.mark.torch_versions  # also run on the other torch versions CI tests
@@ -143,19 +143,19 @@ def test_the_norm_backward_takes_the_row_loop_only_where_it_measured_faster_on_t
     name = "NVIDIA H200"  # the GPU's name is faked (no GPU here): the rule reads nothing else of it
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     cuda = torch.device("cuda", 0)
-    swap._row_loop_widths.cache_clear()
+    _common._row_loop_widths.cache_clear()
     try:
-        assert swap.ROW_LOOP_WINS == {("H100/H200", "rms_norm"): frozenset({4096})}  # the H200 run of 2026-11-27
-        assert swap.row_loop_measured_faster(cuda, "rms_norm", 4096)
-        assert swap.row_loop_measured_faster(cuda, "rms_norm", _Unhashable(4096))  # compared, never hashed
-        assert not swap.row_loop_measured_faster(cuda, "rms_norm", 2048)
-        assert not swap.row_loop_measured_faster(cuda, "layer_norm", 4096)
-        assert not swap.row_loop_measured_faster(torch.device("cpu"), "rms_norm", 4096)  # the interpreter: tiles
-        swap._row_loop_widths.cache_clear()
+        assert _common.ROW_LOOP_WINS == {("H100/H200", "rms_norm"): frozenset({4096})}  # the H200 run of 2026-11-27
+        assert _common.row_loop_measured_faster(cuda, "rms_norm", 4096)
+        assert _common.row_loop_measured_faster(cuda, "rms_norm", _Unhashable(4096))  # compared, never hashed
+        assert not _common.row_loop_measured_faster(cuda, "rms_norm", 2048)
+        assert not _common.row_loop_measured_faster(cuda, "layer_norm", 4096)
+        assert not _common.row_loop_measured_faster(torch.device("cpu"), "rms_norm", 4096)  # the interpreter: tiles
+        _common._row_loop_widths.cache_clear()
         name = "NVIDIA A100-SXM4-80GB"  # no measurement for this class: the tiles
-        assert not swap.row_loop_measured_faster(cuda, "rms_norm", 4096)
+        assert not _common.row_loop_measured_faster(cuda, "rms_norm", 4096)
     finally:
-        swap._row_loop_widths.cache_clear()
+        _common._row_loop_widths.cache_clear()
 
 
 def test_gpus_are_known_by_their_class():
