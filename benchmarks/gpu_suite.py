@@ -67,6 +67,9 @@ VIT_VARIANTS = (  # name, precision, compile, kernels
     ("bf16-mixed + kernels", "bf16-mixed", False, True),
     ("bf16-mixed + compile", "bf16-mixed", True, False),
     ("bf16-mixed + compile + kernels", "bf16-mixed", True, True),
+    # Last, so the bf16 rows keep their time: torchao's float8 layers (emulated on the smoke run's CPU).
+    ("fp8-mixed", "fp8-mixed", False, False),
+    ("fp8-mixed + compile", "fp8-mixed", True, False),
 )
 VIT_B16 = {"image_size": 224, "patch_size": 16, "in_channels": 3, "dim": 768, "depth": 12, "heads": 12}
 TINY_VIT = {"image_size": 32, "patch_size": 8, "in_channels": 3, "dim": 64, "depth": 2, "heads": 4}
@@ -321,7 +324,9 @@ def vit_section(out: Path, run: str, model_name: str, clock: Clock) -> None:
             except Exception as exc:  # noqa: BLE001 - the rates stand without the MFU
                 print(f"no FLOP count, so no MFU: {type(exc).__name__}: {exc}", flush=True)
                 flops[batch] = None
-        peak = get_available_flops(device, torch.bfloat16 if "bf16" in precision else torch.float32)
+        # fp8 against the bf16 peak: its MFU then compares with the bf16 rows' as a rate of the same work.
+        half = "bf16" in precision or precision == "fp8-mixed"
+        peak = get_available_flops(device, torch.bfloat16 if half else torch.float32)
         table.write(**row, **rates(result, batch, flops[batch], peak))
 
 

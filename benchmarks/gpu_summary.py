@@ -83,6 +83,11 @@ def vit(rows: list[Row]) -> tuple[list[str], list[str]]:
     if "fp32" in ok and "bf16-mixed" in ok:
         x = number(ok["bf16-mixed"]["images_per_s"]) / number(ok["fp32"]["images_per_s"])
         goals.append(goal(x, x >= 2.5, f"ViT bf16-mixed at least 2.5x fp32 images/s ({x:.2f}x)"))
+    for mode in ("", " + compile"):  # issue 46: fp8 never slower than bf16-mixed at ViT-B/16's width of 768
+        fp8, bf16 = ok.get(f"fp8-mixed{mode}"), ok.get(f"bf16-mixed{mode}")
+        if fp8 and bf16:
+            x = number(fp8["images_per_s"]) / number(bf16["images_per_s"])
+            goals.append(goal(x, x >= 1.0, f"ViT fp8-mixed{mode} at least bf16-mixed{mode}'s images/s ({x:.2f}x)"))
     compiled = [number(r["mfu"]) for name, r in ok.items() if "compile" in name]
     if compiled:
         x = max(compiled)

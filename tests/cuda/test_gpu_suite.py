@@ -12,7 +12,15 @@ from helpers import ROOT, run_command, run_python
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 RUN = ROOT / "benchmarks" / "gpu_run.sh"
 CSVS = {
-    "vit": {"fp32", "bf16-mixed", "bf16-mixed + kernels", "bf16-mixed + compile", "bf16-mixed + compile + kernels"},
+    "vit": {
+        "fp32",
+        "bf16-mixed",
+        "bf16-mixed + kernels",
+        "bf16-mixed + compile",
+        "bf16-mixed + compile + kernels",
+        "fp8-mixed",
+        "fp8-mixed + compile",
+    },
     "frameworks": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
     "overhead": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
     # kernels.py's IMPLEMENTATIONS less Liger (not installed here)
