@@ -447,8 +447,8 @@ def torchao_float8(torchao_version: str | None = None, torch_version: str = torc
             torchao_version = importlib.metadata.version("torchao")
         except importlib.metadata.PackageNotFoundError:
             raise ModuleNotFoundError(
-                f"precision='fp8-mixed' (Float8Precision) trains with torchao's float8 layers, and torchao is not "
-                f"installed. For torch {torch_version}: pip install '{needed}' (or pip install 'fabriclite[fp8]')."
+                f"No module named 'torchao': precision='fp8-mixed' (Float8Precision) trains with torchao's float8 "
+                f"layers. For torch {torch_version}: pip install '{needed}' (or pip install 'fabriclite[fp8]')."
             ) from None
     lowest, too_new = _torchao_range(torch_version)
     release = _release_tuple(torchao_version)

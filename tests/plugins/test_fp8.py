@@ -212,15 +212,17 @@ FSDP_ONLY = [
 
 
 @pytest.mark.parametrize(
-    ("strategy", "recipe", "own"),
+    ("strategy", "recipe", "compile", "own"),
     [
-        ("ddp", "tensorwise", ["no_backward_sync keeps each rank's own float8 gradients"]),
-        ("fsdp", "tensorwise", FSDP_ONLY),  # float8 all-gathers
-        ("fsdp", "rowwise", FSDP_ONLY),  # bf16 all-gathers
+        ("ddp", "tensorwise", "", ["no_backward_sync keeps each rank's own float8 gradients"]),
+        # float8 all-gathers, the blocks compiled by Inductor (emulation compiles on the CPU)
+        ("fsdp", "tensorwise", "compile", [*FSDP_ONLY, "the float8 blocks compile whole, once each"]),
+        ("fsdp", "rowwise", "", FSDP_ONLY),  # bf16 all-gathers
     ],
 )
-def test_fp8_trains_and_checkpoints_on_two_gloo_processes(strategy, recipe, own, tmp_path):
-    out = run_python(str(SCRIPTS / "fp8_checks.py"), strategy, str(tmp_path), recipe, timeout=300).stdout
+def test_fp8_trains_and_checkpoints_on_two_gloo_processes(strategy, recipe, compile, own, tmp_path):
+    args = [strategy, str(tmp_path), recipe, *([compile] if compile else [])]
+    out = run_python(str(SCRIPTS / "fp8_checks.py"), *args, timeout=300).stdout
     assert_passed(out, CHECKS + FULL + own)
 
 
@@ -267,7 +269,10 @@ def test_a_missing_or_mismatched_torchao_is_refused_naming_the_versions_and_the_
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
-    with pytest.raises(ModuleNotFoundError, match=r"torchao is not installed\. For torch .*pip install 'torchao"):
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=r"No module named 'torchao': precision='fp8-mixed' .*For torch .*pip install 'torchao",
+    ):
         Fabric(accelerator="cpu", precision="fp8-mixed")
 
 

@@ -1,6 +1,6 @@
 """precision="fp8-mixed" (torchao's float8 layers, emulated on the CPU) on 2 CPU processes under DDP or FSDP2;
-prints "PASS <rank> <name>" per check. Arguments: the strategy ("ddp" or "fsdp"), a folder for checkpoints and
-the recipe ("tensorwise": float8 all-gathers under FSDP; "rowwise": bf16 ones)."""
+prints "PASS <rank> <name>" per check. Arguments: the strategy ("ddp" or "fsdp"), a folder for checkpoints, the
+recipe ("tensorwise": float8 all-gathers under FSDP; "rowwise": bf16 ones), and "compile" to compile the blocks."""
 
 import os
 import sys
@@ -60,11 +60,16 @@ def train(fabric, model, optimizer, steps, seed):
 
 def main():
     kind, folder, recipe = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    compile = sys.argv[4:] == ["compile"]
     strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full") if kind == "fsdp" else "ddp"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchao's notes about its CUDA-only kernels
         fabric = Fabric(
-            accelerator="cpu", devices=2, strategy=strategy, plugins=[Float8Precision(recipe, emulate=True)]
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            plugins=[Float8Precision(recipe, emulate=True)],
+            compile=compile,
         )
     fabric.launch()
     rank = fabric.global_rank
@@ -94,6 +99,10 @@ def main():
 
     losses = train(fabric, model, optimizer, 6, seed=1)
     report(rank, "the loss goes down", losses[-1] < losses[0], losses)
+    if compile:
+        (compiled,) = fabric.compile_report()
+        whole = compiled["graphs"] == 2 and compiled["graph_breaks"] == compiled["recompiles"] == 0
+        report(rank, "the float8 blocks compile whole, once each", whole, compiled)
     states = [s for group in optimizer.state.values() for s in group.values() if torch.is_tensor(s) and s.ndim]
     stepped = [optimizer.state[p] for p in model.module.parameters()]
     report(rank, "the optimizer steps every parameter, the float8 weights too", all(stepped))
