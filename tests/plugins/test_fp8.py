@@ -216,7 +216,16 @@ FSDP_ONLY = [
     [
         ("ddp", "tensorwise", "", ["no_backward_sync keeps each rank's own float8 gradients"]),
         # float8 all-gathers, the blocks compiled by Inductor (emulation compiles on the CPU)
-        ("fsdp", "tensorwise", "compile", [*FSDP_ONLY, "the float8 blocks compile whole, once each"]),
+        (
+            "fsdp",
+            "tensorwise",
+            "compile",
+            [
+                *FSDP_ONLY,
+                "the float8 blocks compile whole, once each",
+                "the float8 weight scales are computed after each step",
+            ],
+        ),
         ("fsdp", "rowwise", "", FSDP_ONLY),  # bf16 all-gathers
     ],
 )

@@ -104,6 +104,9 @@ def main():
         whole = compiled["graphs"] == 2 and compiled["graph_breaks"] == compiled["recompiles"] == 0
         report(rank, "the float8 blocks compile whole, once each", whole, compiled)
     states = [s for group in optimizer.state.values() for s in group.values() if torch.is_tensor(s) and s.ndim]
+    if float8_weight:  # torchao's advice: every weight's scale in one all-reduce after the step, not per layer
+        shard = model.module.blocks[0].up.weight._local_tensor  # where torchao keeps it (to_local() is a new view)
+        report(rank, "the float8 weight scales are computed after each step", shard._precomputed_scale is not None)
     stepped = [optimizer.state[p] for p in model.module.parameters()]
     report(rank, "the optimizer steps every parameter, the float8 weights too", all(stepped))
     report(rank, "optimizer state stays fp32", states and all(s.dtype == torch.float32 for s in states))

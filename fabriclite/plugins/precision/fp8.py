@@ -16,6 +16,7 @@ Usage: ``Fabric(precision="fp8-mixed", compile=True)`` or ``Fabric(plugins=[Floa
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -81,7 +82,10 @@ class Float8Precision(MixedPrecision):
         self.float8_all_gather = float8_all_gather
         self.converted: list[str] = []  # the layers convert_module turned into float8 layers, by name
         self._sharded = False
-        self._scale_modules: list[torch.nn.Module] = []  # precomputed float8 weight scales under FSDP
+        # The sharded models whose float8 weight scales are computed after their optimizer's step, in the order they
+        # were set up; a model dropped goes with it.
+        self._scale_modules: list[weakref.ref[torch.nn.Module]] = []
+        self._optimizer_modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._replaced: dict[str, torch.nn.Parameter] = {}
         super().__init__("fp8-mixed", device)
 
@@ -157,7 +161,7 @@ class Float8Precision(MixedPrecision):
         else:
             rank_zero_info(f"fp8-mixed: {len(self.converted)} of {len(linears)} Linear layers run in float8")
         if self._all_gather() and self._sharded:
-            self._scale_modules.append(module)
+            self._scale_modules.append(weakref.ref(module))
         return module
 
     def replaced_parameters(self) -> dict[str, torch.nn.Parameter]:
@@ -181,9 +185,21 @@ class Float8Precision(MixedPrecision):
         result = optimizer.step(**kwargs)
         # With float8 all-gathers, the next forward needs each weight's scale: one all-reduce for all of them
         # here instead of one per layer inside the forward (torchao's advice).
-        for module in self._scale_modules:
-            self._float8.precompute_float8_dynamic_scale_for_fsdp(module)
+        if self._scale_modules:
+            for module in self._stepped_modules(optimizer):
+                self._float8.precompute_float8_dynamic_scale_for_fsdp(module)
         return result
+
+    def _stepped_modules(self, optimizer: torch.optim.Optimizer) -> list[torch.nn.Module]:
+        # The sharded float8 models whose parameters this optimizer steps, in the order they were set up (the same
+        # on every rank: each scale computation is an all-reduce). Found at the optimizer's first step.
+        refs = self._optimizer_modules.get(optimizer)
+        if refs is None:
+            params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            live = [module for module in (ref() for ref in self._scale_modules) if module is not None]
+            refs = [weakref.ref(m) for m in live if any(id(p) in params for p in m.parameters())]
+            self._optimizer_modules[optimizer] = refs
+        return [module for module in (ref() for ref in refs) if module is not None]
 
     def note_not_compiled(self) -> None:
         if self.device_type == "cuda" and not self.emulate:
