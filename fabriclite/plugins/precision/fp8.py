@@ -45,7 +45,7 @@ class Float8Precision(MixedPrecision):
     - ``keep_head``: leave the model's last ``nn.Linear`` (its output head in the usual layout: GPT's ``lm_head``,
       a ViT's ``head``) in bf16, as torchtitan does with its output layer; fp8 costs accuracy most there.
     - ``emulate``: torchao's emulation, float8 rounding with the products in high precision (None: on a CPU
-      only). Refused off a CPU or a CUDA GPU of compute capability >= 8.9 when False.
+      only). False is refused anywhere but on a CUDA GPU of compute capability >= 8.9.
     - ``float8_all_gather``: under FSDP2, all-gather the weights in float8 (half bf16's traffic; tensorwise only).
       None: on whenever the model is sharded and the recipe is tensorwise.
 
@@ -125,6 +125,7 @@ class Float8Precision(MixedPrecision):
         """Turn each eligible ``nn.Linear`` of ``module`` into torchao's float8 layer, in place; a model that has
         float8 layers already (converted by the user) is left as it is."""
         float8_linear = self._float8.float8_linear.Float8Linear
+        self._replaced = {}  # this module's only
         if any(isinstance(m, float8_linear) for m in module.modules()):
             self.converted = [name for name, m in module.named_modules() if isinstance(m, float8_linear)]
             return module
