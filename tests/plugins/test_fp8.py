@@ -207,6 +207,8 @@ FULL = ["the full checkpoint holds plain fp32 tensors", "the full checkpoint loa
 FSDP_ONLY = [
     "a sharded checkpoint loads back",
     "training goes on the same from a sharded checkpoint",
+    "a sharded fp8 checkpoint loads into an unconverted model",
+    "a sharded checkpoint of an unconverted model loads into an fp8 one",
     "an empty_init model is converted, filled in setup and trains",
 ]
 

@@ -140,6 +140,27 @@ def main():
         after = train(fabric, other, other_optimizer, 2, seed=7)
         again = train(fabric, model, optimizer, 2, seed=7)
         report(rank, "training goes on the same from a sharded checkpoint", after == again, (after, again))
+        precision.ignore_modules = {"blocks"}  # the same model unconverted, as a bf16-mixed run holds it
+        plain = fabric.setup(Net())
+        precision.ignore_modules = set()
+        fabric.load(folder / "sharded", {"model": plain})
+        unconverted = full(plain)
+        report(
+            rank,
+            "a sharded fp8 checkpoint loads into an unconverted model",
+            not precision.converted and all(torch.equal(unconverted[k], v) for k, v in weights.items()),
+        )
+        with torch.no_grad():
+            for p in plain.parameters():
+                p.add_(1.0)
+        fabric.save(folder / "plain", {"model": plain})
+        fabric.load(folder / "plain", {"model": other})
+        loaded, changed = full(other), full(plain)
+        report(
+            rank,
+            "a sharded checkpoint of an unconverted model loads into an fp8 one",
+            all(torch.equal(loaded[k], v) for k, v in changed.items()),
+        )
     if rank == 0:
         state = torch.load(folder / "full.ckpt", weights_only=True)["model"]
         plain = Net()
