@@ -4,6 +4,7 @@ tests/scripts/fp8_checks.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 import warnings
@@ -290,7 +291,7 @@ def test_a_missing_or_mismatched_torchao_is_refused_naming_the_versions_and_the_
 # ------------------------------------------------------------------------------------- Transformer Engine names
 @pytest.mark.parametrize("name", ["transformer-engine", "transformer-engine-float16"])
 def test_lightnings_transformer_engine_string_without_it_says_what_to_install_and_never_falls_back(name):
-    if sys.modules.get("transformer_engine") is not None or torch.cuda.is_available():
+    if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("checks the refusal where Transformer Engine is absent")
     with pytest.raises(ModuleNotFoundError) as error:
         Fabric(accelerator="cpu", precision=name)
@@ -330,7 +331,7 @@ def stand_in_transformer_engine(monkeypatch):
     te.pytorch, te.common, common.recipe = pytorch, common, recipe
     for module in (te, pytorch, common, recipe):
         monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "transformer_engine" else None)
+    monkeypatch.setattr("fabriclite.plugins.precision.transformer_engine._TRANSFORMER_ENGINE_AVAILABLE", True)
     return types.SimpleNamespace(Linear=Linear, LayerNorm=LayerNorm, entered=entered)
 
 
