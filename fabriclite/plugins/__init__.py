@@ -40,7 +40,6 @@ __all__ = [
     "TorchCheckpointIO",
     "TransformerEnginePrecision",
     "TruePrecision",
-    "select_precision",
     "split_plugins",
 ]
 

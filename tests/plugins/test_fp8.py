@@ -170,6 +170,13 @@ def test_a_model_the_user_converted_is_left_as_it_is():
     assert precision.converted == ["up"] and not isinstance(model.mid[0], Float8Linear)
 
 
+def test_a_lazy_linear_not_yet_run_stays_as_it_is():
+    precision = Float8Precision(emulate=True)
+    model = nn.Sequential(nn.LazyLinear(32), nn.Linear(32, 32), nn.Linear(32, 4))
+    model = fabric_with(precision).setup(model)
+    assert precision.converted == ["1"] and model(torch.randn(2, 16)).shape == (2, 4)
+
+
 def test_a_model_without_an_eligible_linear_warns_that_it_trains_as_bf16():
     fabric = fabric_with(Float8Precision(emulate=True))
     with pytest.warns(UserWarning, match="found no Linear layer to run in float8 in Sequential"):

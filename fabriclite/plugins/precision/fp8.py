@@ -171,6 +171,8 @@ class Float8Precision(MixedPrecision):
     def _eligible(self, layer: torch.nn.Linear, name: str, kept: set[str]) -> bool:
         if name == "" or any(name == k or name.startswith(k + ".") for k in kept):
             return False  # a bare Linear as the model is its own head; torchao would replace it, not convert it
+        if isinstance(layer.weight, torch.nn.parameter.UninitializedParameter):
+            return False  # a LazyLinear before its first forward: its sizes are not known yet
         return layer.in_features % DIVISOR == 0 and layer.out_features % DIVISOR == 0
 
     def _all_gather(self) -> bool:
