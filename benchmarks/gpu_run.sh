@@ -13,6 +13,17 @@
 #   | talk-cold    |   90  |    75 s    | examples/vit/10_talk_vit_b16.py --synthetic, empty caches: talk-cold.log     |
 #   | talk-warm    |   75  |    69 s    | the same with the caches the first run left: talk-warm.log                   |
 #
+# --talk runs instead the talk's run against raw PyTorch on the same machine in one session (the talk issue's ratio),
+# 345 s of limits: talk.md has the table and the goals (gpu_summary.py --talk).
+#
+#   | step         | limit | H200 11-27 | what, and its files in OUT                                                   |
+#   |--------------|-------|------------|------------------------------------------------------------------------------|
+#   | raw-eager    |   80  |  ~59 s (a) | benchmarks/talk_raw.py --synthetic --no-compile: raw-eager.log               |
+#   | talk-cold    |   90  |    75 s    | as above: talk-cold.log                                                      |
+#   | talk-warm    |   75  |    69 s    | as above: talk-warm.log                                                      |
+#   | raw-compile  |  100  |  not run   | benchmarks/talk_raw.py --synthetic --compile, empty caches of its own: raw-compile.log |
+#   (a) that session's e2e.py, timed from the first step: ../shared/gpu/h200-2026-11-27/first-step-async-raw.txt
+#
 # Everything ends up in OUT, also packed as OUT/results.tar.gz. The last line is the verdict (gpu_summary.py
 # --verdict): "GPU CHECKS PASSED", or "GPU CHECKS FAILED:" and what failed: a step that did not end 0 or did not
 # start, a kernel test, a models or kernels row with an error, a talk's run without its RESULT line.
@@ -20,12 +31,20 @@
 # --smoke runs the same steps on the CPU at tiny sizes (kernels under Triton's interpreter, the talk's CI shape) to
 # check the script; its files say so and are never GPU results.
 #
-# Usage: bash benchmarks/gpu_run.sh OUT [--smoke]   (on the GPU machine: it installs fabriclite itself, offline)
+# Usage: bash benchmarks/gpu_run.sh OUT [--talk] [--smoke]   (on the GPU machine: it installs fabriclite itself, offline)
 set -uo pipefail
 python3() { command "${PYTHON:-python3}" "$@"; }  # PYTHON: another interpreter (the tests pass theirs)
 cd "$(dirname "$0")/.."
-out=${1:?usage: bash benchmarks/gpu_run.sh OUT [--smoke]}
-smoke=${2:-}
+out=${1:?usage: bash benchmarks/gpu_run.sh OUT [--talk] [--smoke]}
+shift
+smoke="" mode=checks
+for option in "$@"; do
+    case $option in
+        --smoke) smoke=--smoke ;;
+        --talk) mode=talk ;;
+        *) echo "gpu_run.sh: unknown option '$option' (expected --talk or --smoke)" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 log="$out/run.log"
@@ -53,7 +72,24 @@ if [ "$smoke" != "--smoke" ]; then  # the GPU machine's python3 has torch and no
         python3 -m pip install -q --no-deps -e . >>"$out/pip.log" 2>&1
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" | tee -a "$log"
-if [ "$smoke" = "--smoke" ]; then
+raw_caches=(env TORCHINDUCTOR_CACHE_DIR="$cache/raw-inductor" TRITON_CACHE_DIR="$cache/raw-triton")
+if [ "$mode" = talk ] && [ "$smoke" = "--smoke" ]; then
+    export CUDA_VISIBLE_DEVICES=""
+    talk=(--synthetic --image-size 32 --dim 64 --depth 2 --train-size 256 --test-size 128 --batch-size 32 --epochs 1
+          --workers 0 --precision 32-true)
+    step raw-eager 120 python3 benchmarks/talk_raw.py "${talk[@]}" --no-compile >"$out/raw-eager.log" 2>&1
+    step talk-cold 120 python3 examples/vit/10_talk_vit_b16.py "${talk[@]}" --no-compile >"$out/talk-cold.log" 2>&1
+    step talk-warm 120 python3 examples/vit/10_talk_vit_b16.py "${talk[@]}" --no-compile >"$out/talk-warm.log" 2>&1
+    step raw-compile 300 "${raw_caches[@]}" python3 benchmarks/talk_raw.py "${talk[@]}" --compile \
+        >"$out/raw-compile.log" 2>&1
+elif [ "$mode" = talk ]; then
+    # The limits add up to 345 s (the second table above).
+    step raw-eager 80 python3 benchmarks/talk_raw.py --synthetic --no-compile >"$out/raw-eager.log" 2>&1
+    step talk-cold 90 python3 examples/vit/10_talk_vit_b16.py --synthetic >"$out/talk-cold.log" 2>&1
+    step talk-warm 75 python3 examples/vit/10_talk_vit_b16.py --synthetic >"$out/talk-warm.log" 2>&1
+    step raw-compile 100 "${raw_caches[@]}" python3 benchmarks/talk_raw.py --synthetic --compile \
+        >"$out/raw-compile.log" 2>&1
+elif [ "$smoke" = "--smoke" ]; then
     export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
     step host-cost 120 python3 benchmarks/kernels.py --host-cost --ops layer_norm rms_norm >"$out/host-cost.md"
     step models 400 python3 benchmarks/gpu_suite.py --smoke --out "$out/suite" --sections models --budget 360 \
@@ -76,6 +112,7 @@ else
     step talk-warm 75 python3 examples/vit/10_talk_vit_b16.py --synthetic >"$out/talk-warm.log" 2>&1
 fi
 rm -rf "$cache"
+if [ "$mode" = talk ]; then python3 benchmarks/gpu_summary.py --talk "$out" $smoke >"$out/talk.md"; fi
 verdict=$(python3 benchmarks/gpu_summary.py --verdict "$out" $smoke)
 status=$?
 echo "$verdict ($SECONDS s)" >>"$log"

@@ -9,8 +9,8 @@ Sections, each in its own process, one after the other, within a time budget (45
   86M parameters, 10 classes; ``--model timm``: timm's vit_base_patch16_224, no weights downloaded), AdamW, batch 128
   (halved until it fits), synthetic CIFAR-10 images made on the GPU and resized to 224. Variants: fp32, bf16-mixed,
   bf16-mixed + kernels, bf16-mixed + compile, bf16-mixed + compile + kernels, fp8-mixed, fp8-mixed + compile
-  (torchao, issue 46; last, so the bf16 rows keep their time). MFU divides the FLOPs
-  ``measure_flops`` counts on a meta-device copy by the step time and the device's dense peak
+  (torchao, issue 46; last, so the bf16 rows keep their time). MFU divides the FLOPs ``ViTConfig.flops`` works
+  out from the shapes (docs/throughput.md) by the step time and the device's dense peak
   (``get_available_flops``). The 3-epoch estimate: 3 x 50,000 training images and 10,000 evaluated at the
   steady-state rates, plus the first steps' compile time (the seed talk on 4 A100s: 18.5 min fp32, 6.4 min
   bf16-mixed, 2.2 min with DDP).
@@ -65,6 +65,7 @@ from gpu_summary import summarize
 from library_loops import FRAMEWORKS, ModelAndOptimizer, build, interleaved, timed
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # the examples' models: vit.model, gpt.model
 SECTIONS = ("models", "vit", "compare", "kernels", "fp8")
 VIT_VARIANTS = (  # name, precision, compile, kernels
     ("fp32", "32-true", False, False),
@@ -224,8 +225,6 @@ def make_vit(model: str, sizes: Sizes) -> torch.nn.Module:
         import timm
 
         return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=CLASSES)
-    if str(ROOT / "examples") not in sys.path:
-        sys.path.insert(0, str(ROOT / "examples"))
     from vit.model import ViT, ViTConfig
 
     return ViT(ViTConfig(**sizes.vit, num_classes=CLASSES))
@@ -245,14 +244,12 @@ def synthetic_batches(sizes: Sizes, batch: int, device: torch.device, count: int
 
 
 def vit_flops(model: str, sizes: Sizes, batch: int) -> int:
-    """FLOPs of one training step (forward and backward), counted on a meta-device copy: no memory, no time."""
-    from fabriclite.utilities.throughput import measure_flops
+    """FLOPs of one training step (forward and backward) of ``batch`` images, worked out from the shapes by
+    ``ViTConfig.flops`` (the count every MFU of the project uses; timm's vit_base_patch16_224 is ViT-B/16)."""
+    from vit.model import ViTConfig
 
-    with torch.device("meta"):
-        meta = make_vit(model, sizes)
-        images = torch.empty(batch, 3, sizes.vit["image_size"], sizes.vit["image_size"])
-        labels = torch.zeros(batch, dtype=torch.long)
-    return measure_flops(meta, lambda: meta(images), lambda out: F.cross_entropy(out, labels))
+    shapes = VIT_B16 if model == "timm" else sizes.vit
+    return batch * ViTConfig(**shapes, num_classes=CLASSES).flops()
 
 
 def train_vit(

@@ -3,12 +3,17 @@ vit.csv, frameworks.csv, overhead.csv, kernels.csv and fp8.csv in one folder. gp
 summarise a folder again, after a run that was cut short, say. ``--verdict`` prints instead the one line that ends
 gpu_run.sh, from the whole folder it wrote.
 
-Usage: ``python benchmarks/gpu_summary.py DIR``; ``python benchmarks/gpu_summary.py --verdict OUT [--smoke]``.
+``--talk`` prints the table of the talk's runs that ``gpu_run.sh --talk`` made (fabriclite cold and warm, raw eager
+PyTorch and raw torch.compile, one session) with the talk issue's goals.
+
+Usage: ``python benchmarks/gpu_summary.py DIR``; ``python benchmarks/gpu_summary.py --verdict OUT [--smoke]``;
+``python benchmarks/gpu_summary.py --talk OUT``.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 import sys
@@ -21,6 +26,15 @@ IMPLEMENTATIONS = (  # kernels.py's
     "torch.compile", "liger",
 )  # fmt: skip
 WITHIN_RAW = {"frameworks": 1.02, "overhead": 1.03}  # the issue's ViT goal; overhead.py's GOAL
+# gpu_run.sh --talk's runs: log name -> what ran. The talk issue's goals: cold at most 50 s and 0.85x raw eager,
+# warm at most 45 s (one H100/H200).
+TALK_RUNS = {
+    "talk-cold": "fabriclite, empty caches",
+    "talk-warm": "fabriclite, the caches of the run before",
+    "raw-eager": "raw eager PyTorch",
+    "raw-compile": "raw torch.compile, empty caches",
+}
+TALK_GOALS = {"cold_s": 50.0, "cold_vs_raw_eager": 0.85, "warm_s": 45.0}
 
 Row = dict[str, str]
 
@@ -213,7 +227,8 @@ def kernels(rows: list[Row]) -> tuple[list[str], list[str]]:
     if designs:
         x = min(designs.values())
         ratios = ", ".join(f"{' '.join(key)} {ratio:.2f}" for key, ratio in designs.items())
-        goals.append(goal(x, x >= 1, f"norm backward in tiles at least as fast as the row loop ({ratios})"))
+        goals.append(goal(x, x >= 1, f"norm backward in tiles at least as fast as the row loop (the row loop's time "
+                                     f"over the tiles', above 1: the tiles faster: {ratios})"))  # fmt: skip
     return table, goals
 
 
@@ -245,6 +260,60 @@ def summarize(folder: Path, notes: tuple[str, ...] = ()) -> str:
         lines += [f"## {title}", "", *table, ""]
         goals += found
     lines += ["## Goals" + (" (smoke run: these verdicts mean nothing)" if run == "smoke" else ""), "", *goals]
+    return "\n".join(lines) + "\n"
+
+
+def talk_result(log: str) -> dict | None:
+    """The RESULT record a talk run's log ends with (the series' JSON line), with its epochs' training seconds."""
+    found = re.search(r"^RESULT (\{.*\})$", log, re.MULTILINE)
+    if not found:
+        return None
+    record = json.loads(found.group(1))
+    record["train_s"] = [float(s) for s in re.findall(r"^epoch \d+/\d+ .* train ([\d.]+) s", log, re.MULTILINE)]
+    return record
+
+
+def talk(out: Path, smoke: bool = False) -> str:
+    """The markdown table of the talk's runs in ``out`` (gpu_run.sh --talk) and the talk issue's goals; a ``smoke``
+    run (tiny shapes on a CPU) says that its figures mean nothing.
+
+    Usage: ``print(talk(Path("OUT")))``.
+    """
+    records = {}
+    for name in TALK_RUNS:
+        path = out / f"{name}.log"
+        records[name] = talk_result(path.read_text(errors="replace")) if path.exists() else None
+    raw = (records["raw-eager"] or {}).get("seconds", math.nan)
+    lines = [
+        "# The talk's run: fabriclite against raw PyTorch, one session",
+        "",
+        *(["**Smoke run: tiny shapes on a CPU. It checks the runs work; its figures say nothing.**", ""] * smoke),
+        "| run | what | end to end (s) | epochs' training (s) | images/s (last epoch) | vs raw eager |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, what in TALK_RUNS.items():
+        record = records[name]
+        if record is None:
+            lines.append(f"| {name} | {what} | did not finish | | | |")
+            continue
+        epochs = ", ".join(f"{s:.1f}" for s in record["train_s"])
+        ratio = record["seconds"] / raw  # nan without a raw eager run
+        lines.append(f"| {name} | {what} | {record['seconds']:.1f} | {epochs} | {record['images_per_s']:.0f} | "
+                     f"{ratio:.3f} |")  # fmt: skip
+    first = next((r for r in records.values() if r), None)
+    if first:
+        lines += ["", f"- device: {first['device']}"]
+    cold = (records["talk-cold"] or {}).get("seconds", math.nan)
+    warm = (records["talk-warm"] or {}).get("seconds", math.nan)
+    ratio, most = cold / raw, TALK_GOALS["cold_vs_raw_eager"]
+    lines += [
+        "",
+        "## Goals" + (" (smoke run: these verdicts mean nothing)" if smoke else ""),
+        "",
+        goal(cold, cold <= TALK_GOALS["cold_s"], f"cold at most {TALK_GOALS['cold_s']:.0f} s ({cold:.1f} s)"),
+        goal(ratio, ratio <= most, f"cold at most {most}x raw eager ({ratio:.3f})"),
+        goal(warm, warm <= TALK_GOALS["warm_s"], f"warm at most {TALK_GOALS['warm_s']:.0f} s ({warm:.1f} s)"),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -282,10 +351,10 @@ def verdict(out: Path, smoke: bool = False) -> tuple[bool, str]:
                     row.get(key) or "" for key in ("model", "variant", "op", "shape", "mode", "implementation")
                 )
                 failures.append(f"{section} row '{' '.join(where.split())}': {error.splitlines()[0][:120]}")
-    for talk in ("talk-cold", "talk-warm"):
-        log_text = text(f"{talk}.log")
+    for run in TALK_RUNS:
+        log_text = text(f"{run}.log")
         if log_text is not None and "RESULT" not in log_text:
-            failures.append(f"{talk}: the talk's run did not finish")
+            failures.append(f"{run}: the talk's run did not finish")
     kind = "SMOKE" if smoke else "GPU"
     note = f" ({skipped} rows skipped for time)" if skipped else ""
     if failures:
@@ -294,6 +363,9 @@ def verdict(out: Path, smoke: bool = False) -> tuple[bool, str]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--talk":
+        print(talk(Path(sys.argv[2]), smoke="--smoke" in sys.argv[3:]), end="")
+        sys.exit(0)
     if sys.argv[1] == "--verdict":
         passed, line = verdict(Path(sys.argv[2]), smoke="--smoke" in sys.argv[3:])
         print(line)

@@ -675,7 +675,46 @@ def host_cost_main(ops: list[str] | None) -> int:
             print(f"| {op} | {ours:.0f} | {theirs:.0f} | {ours - theirs:+.0f} |", flush=True)
     if whole:
         print("", *launch_cost_lines(device), sep="\n")
+    first = next(op for op in host_cost_cases(device) if ops is None or op in ops)
+    make_inputs, implementations = host_cost_cases(device)[first]
+    print("", *host_profile_lines(first, make_inputs, implementations["fabriclite"]), sep="\n")
     return 0
+
+
+def host_profile_lines(
+    op: str, make_inputs: Callable[[], Inputs], fn: Callable[..., Any], calls: int = 300
+) -> list[str]:
+    """Where the host time of one forward+backward call goes (``cProfile``, the launches as they are): the functions
+    with the most time of their own, in microseconds per call. On a GPU this names what the table's difference is
+    made of; the profiler's own cost inflates every figure alike."""
+    import cProfile
+    import pstats
+
+    inputs = make_inputs()
+    leaves = [t for t in inputs.values() if t.requires_grad]
+
+    def call() -> None:
+        fn(**inputs).backward(grad)
+        for leaf in leaves:
+            leaf.grad = None
+
+    grad = torch.ones_like(fn(**inputs))
+    for _ in range(20):
+        call()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        call()
+    profile.disable()
+    stats = pstats.Stats(profile).sort_stats("tottime")
+    lines = [f"Where one {op} forward+backward call spends its host time (cProfile, own time, us per call):", "```"]
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:12]
+    for (path, line, name), (_, ncalls, own, cumulative, _) in rows:
+        where = f"{path.rsplit('/', 1)[-1]}:{line}({name})" if line else name
+        lines.append(
+            f"{own / calls * 1e6:8.1f} own {cumulative / calls * 1e6:8.1f} cumulative {ncalls / calls:5.1f}x  {where}"
+        )
+    return [*lines, "```"]
 
 
 def launch_cost_lines(device: torch.device, calls: int = 2000) -> list[str]:

@@ -103,6 +103,30 @@ def compile_backend(
     return wrapper(mode, options, dynamic)
 
 
+def warm_compile_workers(backend: Any = None) -> bool:
+    """Start Inductor's pool of compile worker processes now, where ``backend`` (``torch.compile``'s argument, None
+    for the default) is Inductor, as torch does when a backend is looked up by the name "inductor"
+    (``torch._inductor.async_compile.maybe_warm_pool``). ``torch.compile(backend="inductor")`` does not: the pool
+    starts at the first kernel a compile generates, and until its workers have imported torch (seconds) that
+    compile's Triton kernels are compiled one by one in this process. Started when a process joins the run, the
+    workers get ready while the script builds its model and data. False where nothing was started: another
+    backend, one compile thread (``TORCHINDUCTOR_COMPILE_THREADS=1``), no triton, ``TORCH_WARM_POOL=0``, or a torch
+    without the function.
+
+    Usage: ``warm_compile_workers()`` in a process that will compile for a GPU.
+    """
+    if (backend or default_compile_backend()) != "inductor":
+        return False
+    try:
+        from torch._inductor.async_compile import AsyncCompile, get_compile_threads, maybe_warm_pool
+    except ImportError:  # moved in a newer torch: the pool starts at the first compile, as without fabriclite
+        return False
+    if get_compile_threads() <= 1:
+        return False
+    maybe_warm_pool()
+    return AsyncCompile.process_pool.cache_info().currsize > 0
+
+
 def current_compile_id() -> Any:
     """The id of the compile Dynamo is running now (None outside one). Usage: in a backend, ``current_compile_id()``."""
     from torch._guards import CompileContext
@@ -134,12 +158,12 @@ def inductor_options(options: dict[str, Any]) -> Any:
 
 def precompile_supported() -> bool:
     """Whether this torch can compile a function ahead of time into bytes that a later process loads instead of
-    compiling (``torch._dynamo.aot_compile``, experimental), with Inductor's caches on. From torch 2.13, the first
-    torch it was checked on; older ones compile as before.
+    compiling (``torch._dynamo.aot_compile``, experimental), with Inductor's caches on. From torch 2.11 (checked on
+    2.11, 2.13, 2.14 and 2.15, not 2.12); older ones have no ``aot_compile`` and compile as before.
 
     Usage: ``if precompile_supported(): compiled = precompile(block.forward, (x,), {}, backend)``.
     """
-    if _TORCH_VERSION < (2, 13):
+    if _TORCH_VERSION < (2, 11):
         return False
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph  # noqa: F401

@@ -20,7 +20,7 @@ check once per cache folder, torch, compiler and CPU, keeps the result in the ca
 passed tells Inductor so (``cpp.vec_isa_ok``) in every process from the first on, so that the cached graphs, whose
 keys include that setting, keep matching. Even with every graph cached, a new process still imports Inductor's
 compiler, hashes torch's sources for the cache keys and traces the block: where torch can save a compiled function
-(2.13 and newer), ``_SavedGraph`` compiles the blocks' graph ahead of time on the first training call, keeps it in
+(2.11 and newer), ``_SavedGraph`` compiles the blocks' graph ahead of time on the first training call, keeps it in
 the cache folder, and later processes load it, as long as the sources it was traced from and its guards still match.
 
 The report counts what the compiler did for one model: each model is compiled through its own ``_CountingBackend``,

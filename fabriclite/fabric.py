@@ -19,6 +19,7 @@ from fabriclite.processes import failures, preemption, signals
 from fabriclite._legacy import LegacyAPI
 from fabriclite._collections import apply_to_collection, as_list, convert_tensors_to_scalars, convert_to_tensors
 from fabriclite._collections import move_to_device
+from fabriclite._versions import warm_compile_workers
 from fabriclite.accelerators import Accelerator, select_accelerator
 from fabriclite.callbacks import call_hook
 from fabriclite.collectives import check_reduce_op
@@ -102,8 +103,7 @@ class Fabric(LegacyAPI):
         # launcher): join them now, so launch() is optional. Otherwise launch() starts them.
         self._launched = not self._strategy.launcher.starts_processes
         if self._launched:
-            self._strategy.setup_environment()
-            self._strategy.announce()
+            self._join()
         self._prepare_run()
 
     def __reduce__(self) -> tuple:
@@ -158,11 +158,15 @@ class Fabric(LegacyAPI):
         return self._strategy.launcher.launch(self._run_launched, function, *args, **kwargs)
 
     def _run_launched(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        # Runs in every process the launcher is responsible for, once it exists.
+        self._join()  # in every process the launcher is responsible for, once it exists
+        return function(self, *args, **kwargs)
+
+    def _join(self) -> None:
         self._strategy.setup_environment()
         self._strategy.announce()
+        if self._compile is not None and self.device.type == "cuda":  # a CPU compiles its C++ in threads
+            warm_compile_workers(self._compile.get("backend"))
         self._launched = True
-        return function(self, *args, **kwargs)
 
     def setup(
         self,
@@ -190,9 +194,7 @@ class Fabric(LegacyAPI):
         compile: bool | dict[str, Any] | None = None,
     ) -> _FabricModule:
         """Wrap a model: kernels, precision conversion, placement on the device, the strategy's wrapper, compile.
-
-        Usage: ``model = fabric.setup_module(model, compile=True)``.
-        """
+        Usage: ``model = fabric.setup_module(model, compile=True)``."""
         wrapped = self._wrap_module(module, move_to_device, compile)
         self._after_setup(wrapped, None)
         return wrapped
@@ -226,9 +228,7 @@ class Fabric(LegacyAPI):
 
     def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
         """Wrap optimizers so ``step`` goes through the loss scaler; returns one or a tuple.
-
-        Usage: ``optimizer = fabric.setup_optimizers(optimizer)``.
-        """
+        Usage: ``optimizer = fabric.setup_optimizers(optimizer)``."""
         if not optimizers:
             raise ValueError("`setup_optimizers` requires at least one optimizer as input.")
         wrapped = tuple(self._setup_optimizer(optimizer) for optimizer in optimizers)

@@ -13,9 +13,8 @@ partials. A program walks its rows in tiles (several narrow rows at once, one wi
 thread, and loads the next tile's ``dy`` and ``x`` before it reduces the current one. One row at a time with nothing
 loaded ahead (Liger-Kernel's backward, and this one until issue 40), few programs fit on a multiprocessor and each
 waits on every row's loads: too few bytes on their way for the memory to run at full speed (see
-``_backward_sizes``). The
-residual-add form's backward adds the gradient arriving at the sum output to the input gradient, and that total is
-the gradient of both ``x`` and ``residual``.
+``_backward_sizes``). The residual-add form's backward adds the gradient arriving at the sum output to the input
+gradient, and that total is the gradient of both ``x`` and ``residual``.
 
 Two ways in, one computation: eager calls go through ``_NormFunction`` (a ``torch.autograd.Function`` launching
 the kernels directly, without the custom op's Python dispatch, which cost hundreds of microseconds a call on an
@@ -43,6 +42,7 @@ from fabriclite.kernels._common import (
     row_block,
     rows_and_strides,
 )
+from fabriclite.kernels.swap import row_loop_measured_faster
 
 
 @triton.jit
@@ -203,9 +203,8 @@ def _launch_sizes(n_cols: int) -> tuple[int, int]:
 # multiprocessor, each waiting on every row's loads. Tiles of at least TILE_ELEMENTS (several narrow rows, one wide
 # row), ELEMENTS_PER_THREAD of them per thread, with the next tile loaded ahead, take 64-87 registers up to width
 # 2048 (3-8 programs of 4-8 warps fit), and at 4096 64-101 (two or one of 16 warps), with twice the bytes on their
-# way. Rows wider than PREFETCH_MAX_BLOCK take the row loop, whose registers they already fill.
-# ROW_LOOP_BACKWARD = True takes the row loop at every width: the design before tiles, which benchmarks/kernels.py
-# times side by side with them.
+# way. Rows wider than PREFETCH_MAX_BLOCK take the row loop, whose registers they already fill; so do the widths where
+# it measured faster (kernels/swap.py). ROW_LOOP_BACKWARD = True: the row loop everywhere, for benchmarks/kernels.py.
 TILE_ELEMENTS = 1024
 ELEMENTS_PER_THREAD = 8
 PREFETCH_MAX_BLOCK = 8192
@@ -290,7 +289,8 @@ def _backward(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Returns (dx, dweight, dbias): dx shaped like x and including ``dsum``; dweight in the weight's dtype and
     shape, dbias (fp32, shaped like the weight or the rows) None when there is no weight or no bias."""
-    block, tile_rows, warps, prefetch, per_multiprocessor = _backward_sizes(n_cols, ROW_LOOP_BACKWARD)
+    row_loop = ROW_LOOP_BACKWARD or row_loop_measured_faster(x.device, "rms_norm" if rms else "layer_norm", n_cols)
+    block, tile_rows, warps, prefetch, per_multiprocessor = _backward_sizes(n_cols, row_loop)
     n_rows = x.numel() // n_cols
     x_rows, x_stride, _ = rows_and_strides(x, n_cols, unit_col_stride=True)
     # dy may be an expanded gradient (strides 0), hence both strides.

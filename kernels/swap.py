@@ -15,7 +15,9 @@ The rule (``ops_to_swap``): a kernel replaces torch's op only where it makes tra
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +34,12 @@ MEASURED_WINS: dict[tuple[str, str], frozenset[int]] = {
 }
 # GPU classes: one measurement stands for the GPUs of one architecture and memory system.
 DEVICE_CLASSES = {"H100": "H100/H200", "H200": "H100/H200"}
+# The norm backward's two designs (kernels/_norm.py): tiles of rows with the next one loaded ahead, or the row loop
+# before them. (GPU class, op) -> the widths at which the row loop's forward and backward took less GPU time than the
+# tiles' (gpu_suite.py's kernels section); the tiles everywhere else. One H200, 2026-11-27: the tiles faster in 10 of
+# 12 rows (op, shape, wall or GPU time; up to 1.43x), the row loop in RMS norm's GPU time at 16384x4096 (0.202 ms
+# against 0.216) and in layer norm's wall time at 25216x768 (its GPU time 1.15x faster in tiles: host time).
+ROW_LOOP_WINS: dict[tuple[str, str], frozenset[int]] = {("H100/H200", "rms_norm"): frozenset({4096})}
 
 # What ``ops_to_swap`` returns: op -> the widths to swap at (None: every width).
 Swaps = dict[str, "frozenset[int] | None"]
@@ -43,6 +51,22 @@ def device_class(name: str) -> str | None:
     Usage: ``device_class("NVIDIA H200") == "H100/H200"``.
     """
     return next((cls for key, cls in DEVICE_CLASSES.items() if key in name.split()), None)
+
+
+def row_loop_measured_faster(device: torch.device, op: str, width: Any) -> bool:
+    """Whether the norm backward ``op`` ("rms_norm", "layer_norm") at ``width`` takes the row loop on ``device``
+    (``ROW_LOOP_WINS``). A symbolic width (``torch.SymInt``, under compile) is compared, never hashed: Dynamo keeps
+    the comparison as a guard.
+
+    Usage: ``row_loop_measured_faster(x.device, "rms_norm", 4096)``.
+    """
+    return any(width == measured for measured in _row_loop_widths(device, op))
+
+
+@functools.lru_cache(maxsize=None)
+def _row_loop_widths(device: torch.device, op: str) -> frozenset[int]:
+    cls = device_class(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return ROW_LOOP_WINS.get((cls, op), frozenset())
 
 
 def ops_to_swap(device: torch.device | str, compiled: bool) -> Swaps:

@@ -271,6 +271,7 @@ def precompile_supported():
     return precompile_supported()
 
 
+@pytest.mark.torch_versions
 def test_a_second_process_finds_every_graph_the_first_one_left_in_the_cache_folder_and_trains_the_same(tmp_path):
     # Two real processes sharing one empty Inductor cache folder. A whole model: the vector instruction option must
     # be the same in both (it is part of each cached graph's key), or the second process would compile everything
@@ -307,7 +308,7 @@ def test_a_second_process_finds_every_graph_the_first_one_left_in_the_cache_fold
 
 
 @pytest.mark.torch_versions
-@pytest.mark.skipif(not precompile_supported(), reason="fabriclite saves compiled graphs from torch 2.13 on")
+@pytest.mark.skipif(not precompile_supported(), reason="fabriclite saves compiled graphs from torch 2.11 on")
 def test_a_saved_graph_is_compiled_again_when_the_models_code_or_its_blocks_change(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -455,3 +456,47 @@ def test_compile_with_kernels_leaves_the_norms_to_inductor_and_says_so(monkeypat
     launched = {name for name, count in _common.LAUNCHES.items() if count > before.get(name, 0)}
     assert not launched, launched
     assert fabric.compile_report()[0]["graph_breaks"] == 0
+
+
+WORKERS = """
+import os, subprocess, sys, torch
+from fabriclite import Fabric
+from fabriclite._versions import warm_compile_workers
+
+def workers():  # the compile worker processes this process started, by their command line
+    out = subprocess.run(["ps", "-o", "args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "compile_worker" in line]
+
+class CudaStrategy:  # a stand-in: Fabric's CUDA branch, on a machine without a GPU
+    root_device = torch.device("cuda", 0)
+    setup_environment = announce = lambda self: None
+
+fabric = Fabric(accelerator="cpu", compile=True)
+print("cpu", bool(workers()))
+fabric._strategy = CudaStrategy()
+fabric._compile = {"backend": "eager"}
+fabric._join()
+print("cuda eager", bool(workers()))
+if sys.argv[1] == "cuda inductor":
+    fabric._compile = {}
+    fabric._join()
+else:
+    print("direct", warm_compile_workers())
+print(sys.argv[1], bool(workers()))  # the pool's first process starts at once, its workers in the background
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["cuda inductor", "direct"])
+def test_a_process_that_will_compile_for_a_gpu_starts_inductors_workers_when_it_joins_the_run(how):
+    # Without it the first compile's Triton kernels compile one by one in the process until the workers are up.
+    # Only where Inductor compiles Triton for a GPU: not on a CPU (C++ in threads), not for another backend.
+    done = run_python("-c", WORKERS, how, timeout=540)
+    assert done.stdout.split("\n")[:2] == ["cpu False", "cuda eager False"], done.stdout
+    assert f"{how} True" in done.stdout, done.stdout + done.stderr
+
+
+def test_one_compile_thread_starts_no_workers():
+    code = "from fabriclite._versions import warm_compile_workers; print(warm_compile_workers())"
+    done = run_python("-c", code, TORCHINDUCTOR_COMPILE_THREADS="1", timeout=300)
+    assert done.stdout.split() == ["False"], done.stdout

@@ -8,9 +8,10 @@ installed and its weights can be loaded; the data is CIFAR-10 through torchvisio
 data made in memory (each class a fixed random image plus noise, so the accuracy still moves), and on the
 examples' own ViT when neither torchvision nor timm is installed. It never downloads without --download.
 
-It prints the end-to-end wall time (setup, compilation, training and every evaluation; not the FLOP count on a
-meta-device copy that the MFU needs, timed apart), the training images/s of the last epoch (after compilation), the
-MFU of the whole run, the peak memory, and the series' RESULT line.
+It prints the end-to-end wall time from the moment the process started (imports, setup, compilation, training and
+every evaluation: what a user timing the command sees), the training images/s of the last epoch (after
+compilation), the MFU of the whole run and of the last epoch's training (the model FLOPs ``ViTConfig.flops`` works
+out from the shapes: docs/throughput.md), the peak memory, and the series' RESULT line.
 
 Usage:
     python examples/vit/10_talk_vit_b16.py --download            # the talk's run on one GPU
@@ -34,9 +35,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric
 from fabriclite.metrics import Accuracy
-from fabriclite.utilities.throughput import measure_flops
+from fabriclite.utilities.throughput import get_available_flops
 from vit.model import ViT, ViTConfig
-from vit.series import pick_devices, results
+from vit.series import pick_devices, process_seconds, results
 
 NUM_CLASSES = 10
 CIFAR_SIZE = 32
@@ -85,9 +86,27 @@ def loud(message: str) -> None:
     print(f"\n{'!' * 100}\n!!! {message}\n{'!' * 100}\n", file=sys.stderr, flush=True)
 
 
-def load_model(args: argparse.Namespace, fabric: Fabric) -> tuple[torch.nn.Module, str]:
+# torchvision's and timm's ViT-B/16: the shapes their FLOPs are worked out from.
+VIT_B16 = ViTConfig(image_size=224, patch_size=16, in_channels=3, dim=768, depth=12, heads=12, num_classes=NUM_CLASSES)
+
+
+def random_init_config(args: argparse.Namespace) -> ViTConfig:
+    """The examples' ViT that --synthetic trains: --image-size, --dim, --depth, a head per 64 of the width."""
+    return ViTConfig(
+        image_size=args.image_size,
+        patch_size=16,
+        in_channels=3,
+        dim=args.dim,
+        depth=args.depth,
+        heads=max(1, args.dim // 64),
+        num_classes=NUM_CLASSES,
+    )
+
+
+def load_model(args: argparse.Namespace, fabric: Fabric) -> tuple[torch.nn.Module, str, ViTConfig]:
     """ViT-B/16 with ImageNet weights and a fresh 10-class head, from torchvision or timm; else random init, made
-    on the device (initialising 86M parameters on the CPU and copying them over takes seconds)."""
+    on the device (initialising 86M parameters on the CPU and copying them over takes seconds). With the model,
+    what it is and its shapes."""
     if not args.synthetic:
         try:
             from torchvision.models import ViT_B_16_Weights, vit_b_16
@@ -97,7 +116,7 @@ def load_model(args: argparse.Namespace, fabric: Fabric) -> tuple[torch.nn.Modul
             if args.download or cached.exists():
                 model = vit_b_16(weights=weights, image_size=224)
                 model.heads.head = torch.nn.Linear(model.heads.head.in_features, NUM_CLASSES)
-                return model, "torchvision ViT-B/16, ImageNet-1k weights"
+                return model, "torchvision ViT-B/16, ImageNet-1k weights", VIT_B16
         except ImportError:
             pass
         try:
@@ -105,25 +124,17 @@ def load_model(args: argparse.Namespace, fabric: Fabric) -> tuple[torch.nn.Modul
 
             if args.download:  # timm reads the weights from the Hugging Face hub's cache, or downloads them
                 model = timm.create_model("vit_base_patch16_224", pretrained=True, num_classes=NUM_CLASSES)
-                return model, "timm vit_base_patch16_224, pretrained weights"
+                return model, "timm vit_base_patch16_224, pretrained weights", VIT_B16
         except ImportError:
             pass
-    config = ViTConfig(
-        image_size=args.image_size,
-        patch_size=16,
-        in_channels=3,
-        dim=args.dim,
-        depth=args.depth,
-        heads=max(1, args.dim // 64),
-        num_classes=NUM_CLASSES,
-    )
+    config = random_init_config(args)
     loud(
         f"RANDOM INITIALISATION: no pretrained ViT-B/16 was loaded (--synthetic, no torchvision/timm, or weights "
         f"not cached; --download fetches them). Model: the examples' ViT, {config}."
     )
     with fabric.init_module():
         model = ViT(config)
-    return model, f"random init, examples' ViT (dim {args.dim}, depth {args.depth})"
+    return model, f"random init, examples' ViT (dim {args.dim}, depth {args.depth})", config
 
 
 def load_data(args: argparse.Namespace) -> tuple[TensorDataset, TensorDataset, str]:
@@ -179,23 +190,50 @@ def evaluate(model, loader, device, size):
     return accuracy.compute().item()
 
 
-def flops_per_image(model: torch.nn.Module, size: int) -> tuple[int, int]:
-    """Model FLOPs of one image's training step and of its forward alone, counted on a meta-device copy."""
-    import copy
+def closing_lines(
+    args: argparse.Namespace,
+    config: ViTConfig,
+    device: torch.device,
+    train_images: int,
+    test_images: int,
+    train_seconds: float,
+    accuracy: float,
+    model: str,
+    data: str,
+) -> str:
+    """The run's closing lines, read now: the end-to-end wall time from the process's start, the last epoch's
+    training rate (``train_images`` of this process in ``train_seconds``) and its MFU, the whole run's MFU (each
+    epoch trains ``train_images`` and evaluates ``test_images``), the peak memory, the test accuracy, the RESULT
+    line. Shared with benchmarks/talk_raw.py, so that the two runs report alike.
 
-    dtype = next(model.parameters()).dtype  # bf16-true models are made in bf16 already
-    with torch.device("meta"):
-        image = torch.zeros(1, 3, size, size, dtype=dtype)
-    # A meta copy without copying the data: the parameters are swapped for meta ones in the copy only.
-    memo = {id(p): torch.nn.Parameter(p.to("meta"), p.requires_grad) for p in model.parameters()}
-    memo.update({id(b): b.to("meta") for b in model.buffers()})
-    meta = copy.deepcopy(model, memo)
-    return measure_flops(meta, lambda: meta(image), lambda out: out.sum()), measure_flops(meta, lambda: meta(image))
+    Usage: ``print(closing_lines(args, config, device, 49920, 10000, 15.3, 0.98, "random init", "synthetic"))``.
+    """
+    seconds = process_seconds()
+    images_per_second = train_images * args.devices / train_seconds
+    peak = get_available_flops(device, torch.bfloat16)
+    train_mfu = train_images / train_seconds * config.flops() / peak if peak else None
+    flops = args.epochs * (config.flops() * train_images + config.flops(training=False) * test_images)
+    summary = results(
+        seconds,
+        device,
+        accuracy,
+        flops,
+        timed="end-to-end wall time (from the process's start)",
+        extra={
+            "images_per_s": round(images_per_second, 1),
+            "train_mfu": None if train_mfu is None else round(train_mfu, 4),
+            "model": model,
+            "data": data,
+        },
+    )
+    mfu = "n/a (no bf16 peak known for this device)" if train_mfu is None else f"{train_mfu:.1%}"
+    return (
+        f"training images/s (last epoch, all devices): {images_per_second:.0f}; MFU of that training: {mfu}\n{summary}"
+    )
 
 
 def main():
     args = parse_args()
-    start = time.perf_counter()
     torch.manual_seed(args.seed)
     fabric = Fabric(
         accelerator="auto",
@@ -206,15 +244,12 @@ def main():
     )
     fabric.launch()
     torch.backends.cuda.matmul.allow_tf32 = True  # for the few fp32 matmuls left under bf16
-    model, weights = load_model(args, fabric)
+    model, weights, config = load_model(args, fabric)
     train_set, test_set, data = load_data(args)
     fabric.print(
         f"model: {weights}; data: {data}; devices: {args.devices}; precision {args.precision}; "
         f"compile={args.compile}; batch {args.batch_size} per device"
     )
-    counting = time.perf_counter()  # the FLOP count is for the report, not part of the run: its time is left out
-    train_flops, forward_flops = flops_per_image(model, args.image_size)
-    counting = time.perf_counter() - counting
     fused = fabric.device.type == "cuda" if args.fused_adamw is None else args.fused_adamw
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=fused or None)
     model, optimizer = fabric.setup(model, optimizer)
@@ -228,10 +263,7 @@ def main():
     test_loader = DataLoader(test_set, batch_size=2 * args.batch_size, **loader_options)
     train_loader, test_loader = fabric.setup_dataloaders(train_loader, test_loader)
 
-    fabric.print(
-        f"setup: {time.perf_counter() - start - counting:.1f} s (fused AdamW: {bool(fused)}; counting FLOPs took "
-        f"{counting:.1f} s more, left out of every time here)"
-    )
+    fabric.print(f"setup: {process_seconds():.1f} s since the process started (fused AdamW: {bool(fused)})")
     for epoch in range(args.epochs):
         epoch_start = time.perf_counter()
         for images, labels in train_loader:
@@ -246,24 +278,13 @@ def main():
             f"epoch {epoch + 1}/{args.epochs}  loss {loss_value:.3f}  test acc {100 * test_accuracy:.1f}%  "
             f"train {train_seconds:.1f} s, epoch with eval {time.perf_counter() - epoch_start:.1f} s"
         )
-    seconds = time.perf_counter() - start - counting
-
-    images_per_second = len(train_loader) * args.batch_size * args.devices / train_seconds
-    fabric.print(f"training images/s (last epoch, all devices): {images_per_second:.0f}")
     if args.compile:
         fabric.print(f"compile: {fabric.compile_report()}")
-    # This process's share of the FLOPs: its batches of every epoch, and its share of the test images.
-    flops = args.epochs * (train_flops * len(train_loader) * args.batch_size + forward_flops * len(test_loader.sampler))
+    # This process's share of the images: its batches of every epoch, and its share of the test images.
     fabric.print(
-        results(
-            seconds,
-            fabric.device,
-            test_accuracy,
-            flops,
-            timed="end-to-end wall time",
-            extra={"images_per_s": round(images_per_second, 1), "model": weights, "data": data},
-        )
-    )
+        closing_lines(args, config, fabric.device, len(train_loader) * args.batch_size, len(test_loader.sampler),
+                      train_seconds, test_accuracy, weights, data)
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 - ``pick_devices``: how many devices a script uses when ``--devices`` is not given (the GPUs there are).
 - ``one_device``: the device of the plain PyTorch scripts, which run one process.
 - ``loop_flops``: the model FLOPs of a script's timed loop, for the MFU that ``results`` prints.
+- ``process_seconds``: seconds since this process started, imports included (the talk's end-to-end clock).
 - ``results``: the lines each script ends with: time, MFU, peak memory, test accuracy, and one machine-readable
   ``RESULT {...}`` line that run_all.py collects into results.md.
 
@@ -15,15 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
-from fabriclite.utilities.throughput import get_available_flops, measure_flops
-from vit.model import SERIES_CONFIG, ViT, ViTConfig
+from fabriclite.utilities.throughput import get_available_flops
+from vit.model import SERIES_CONFIG, ViTConfig
 from vit.pretrain import SERIES_WEIGHTS
 
 # The scripts fine-tune on 20 labelled images per class (200 in all), the case pretraining on unlabelled
@@ -125,18 +128,32 @@ def peak_memory_mib(device: torch.device) -> float:
 
 def loop_flops(train_loader: DataLoader, val_loader: DataLoader, epochs: int, config: ViTConfig = SERIES_CONFIG) -> int:
     """The model FLOPs this process computes in a script's timed loop: each epoch a training step (forward and
-    backward) on every image its ``train_loader`` yields and a forward on every image of ``val_loader``. Counted
-    once per image on a model of meta tensors (no memory, no time) by ``measure_flops``.
+    backward) on every image its ``train_loader`` yields and a forward on every image of ``val_loader``, as
+    ``ViTConfig.flops`` works them out from the shapes.
 
     Usage: ``flops = loop_flops(train_loader, val_loader, args.epochs)``.
     """
-    with torch.device("meta"):
-        model = ViT(config)
-        image = torch.zeros(1, config.in_channels, config.image_size, config.image_size)
-    train = measure_flops(model, lambda: model(image), lambda logits: logits.sum())
-    forward = measure_flops(model, lambda: model(image))
+    train, forward = config.flops(), config.flops(training=False)
     # len(loader.sampler): the images of one epoch in this process (a DistributedSampler's share under DDP/FSDP).
     return epochs * (train * len(train_loader.sampler) + forward * len(val_loader.sampler))
+
+
+def process_seconds() -> float:
+    """Seconds since this process started: the interpreter's start and every import included, as a user timing the
+    command sees it. Read from the kernel on Linux (``/proc/self/stat``, to 1/100 s); elsewhere counted from this
+    module's import, which leaves out the seconds of importing torch before it.
+
+    Usage: ``print(f"end-to-end wall time: {process_seconds():.1f} s")``.
+    """
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, counted after the name's ")"
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
 
 
 def mfu(flops: int, seconds: float, device: torch.device) -> float | None:

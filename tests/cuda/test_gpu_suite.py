@@ -2,6 +2,7 @@
 the run, the device and the versions, so that a smoke row can never pass for a GPU result."""
 
 import csv
+import json
 import re
 import sys
 import tarfile
@@ -77,7 +78,8 @@ def test_gpu_run_smoke_measures_every_model_variant_on_the_kernels_it_names_and_
     for step in ("host-cost", "models", "talk-cold", "talk-warm"):
         assert f"===== {step}: exit 0 after" in log, log
     assert log.splitlines()[-1].startswith("SMOKE CHECKS PASSED"), log
-    assert "| layer_norm |" in (tmp_path / "host-cost.md").read_text()
+    host_cost = (tmp_path / "host-cost.md").read_text()
+    assert "| layer_norm |" in host_cost and "_norm.py" in host_cost.split("spends its host time", 1)[1], host_cost
     assert "RESULT" in (tmp_path / "talk-warm.log").read_text()
     with tarfile.open(tmp_path / "results.tar.gz") as packed:
         assert {"./run.log", "./suite/models.csv", "./talk-cold.log"} <= set(packed.getnames())
@@ -112,6 +114,50 @@ def test_gpu_run_fits_one_command_of_a_lent_gpu_machine():
     limits = [int(limit) for limit in re.findall(r"^\s*step [\w-]+ (\d+) ", gpu_part, re.MULTILINE)]
     assert len(limits) == 6, gpu_part
     assert sum(limits) + 10 <= deadline <= 540, (limits, deadline)
+    talk_part = script[script.index('elif [ "$mode" = talk ]; then') : script.index('elif [ "$smoke" = "--smoke" ]')]
+    talk_limits = [int(limit) for limit in re.findall(r"^\s*step [\w-]+ (\d+) ", talk_part, re.MULTILINE)]
+    assert len(talk_limits) == 4 and sum(talk_limits) + 10 <= deadline, talk_part
+
+
+@pytest.mark.timeout(900)
+def test_gpu_run_talk_smoke_runs_fabriclite_and_raw_pytorch_on_the_talks_work_and_tables_them(tmp_path):
+    """gpu_run.sh --talk --smoke: the talk's run through fabriclite (twice) and in raw PyTorch (eager, and compiled
+    with empty caches of its own), on the CPU at the talk's CI shape, each with its RESULT line, and the table."""
+    run_command("bash", str(RUN), str(tmp_path), "--talk", "--smoke", timeout=840, PYTHON=sys.executable)
+    log = (tmp_path / "run.log").read_text()
+    for step in ("raw-eager", "talk-cold", "talk-warm", "raw-compile"):
+        assert f"===== {step}: exit 0 after" in log, log
+    assert log.splitlines()[-1].startswith("SMOKE CHECKS PASSED"), log
+    assert '"model": "raw PyTorch + torch.compile' in (tmp_path / "raw-compile.log").read_text()
+    table = (tmp_path / "talk.md").read_text()
+    assert "Smoke run" in table and "did not finish" not in table, table
+    assert re.search(r"^\| raw-eager \| raw eager PyTorch \| [\d.]+ \| [\d.]+ \| \d+ \| 1.000 \|$", table, re.M), table
+
+
+def test_the_talk_table_gives_each_run_against_raw_eager_and_the_goals_met_or_missed(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_summary import talk, verdict
+
+    def result(seconds, epochs):
+        lines = [
+            f"epoch {i + 1}/2  loss 0.1  test acc 90.0%  train {s} s, epoch with eval {s} s"
+            for i, s in enumerate(epochs)
+        ]
+        record = {"seconds": seconds, "images_per_s": 3000.0, "device": "NVIDIA H200"}
+        return "\n".join([*lines, f"RESULT {json.dumps(record)}", ""])
+
+    (tmp_path / "raw-eager.log").write_text(result(60.0, [20.0, 19.0]))
+    (tmp_path / "talk-cold.log").write_text(result(48.0, [18.0, 15.0]))
+    (tmp_path / "talk-warm.log").write_text(result(46.0, [16.0, 15.0]))
+    (tmp_path / "raw-compile.log").write_text("epoch 1/2 ...\n")  # cut short: no RESULT line
+    table = talk(tmp_path)
+    assert "| talk-cold | fabriclite, empty caches | 48.0 | 18.0, 15.0 | 3000 | 0.800 |" in table, table
+    assert "| raw-compile | raw torch.compile, empty caches | did not finish |" in table, table
+    assert "- met: cold at most 50 s (48.0 s)" in table and "- met: cold at most 0.85x raw eager (0.800)" in table
+    assert "- MISSED: warm at most 45 s (46.0 s)" in table, table
+    (tmp_path / "raw-eager.log").unlink()
+    assert "- not measured: cold at most 0.85x raw eager" in talk(tmp_path)
+    assert "raw-compile: the talk's run did not finish" in verdict(tmp_path)[1]
 
 
 def test_a_model_variant_whose_first_step_fails_gets_its_own_error_and_the_others_keep_their_times(monkeypatch):

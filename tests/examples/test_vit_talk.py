@@ -44,6 +44,11 @@ def test_the_talk_run_says_loudly_it_has_no_weights_and_no_data_and_reports_its_
     assert record["images_per_s"] > 0 and record["seconds"] > 0 and record["peak_memory_mib"] > 0
     assert record["data"] == "synthetic CIFAR-10-shaped" and record["model"].startswith("random init")
     assert "end-to-end wall time" in done.stdout and "training images/s" in done.stdout
+    # Timed from the process's start: the setup line counts the imports, which take more than a tenth of a second.
+    setup = float(re.search(r"^setup: ([\d.]+) s since the process started", done.stdout, re.M).group(1))
+    assert 0.1 < setup <= record["seconds"], done.stdout
+    assert "counting FLOPs" not in done.stdout  # worked out from the shapes: no traced pass to time apart
+    assert record["train_mfu"] is None and "MFU of that training: n/a" in done.stdout  # a CPU has no peak
 
 
 def test_the_talk_run_takes_fp8_from_its_command_line():

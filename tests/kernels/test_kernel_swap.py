@@ -133,6 +133,31 @@ def test_the_rule_swaps_nothing_under_compile_and_on_cuda_only_measured_wins_at_
     assert ops_to_swap("cuda:0", compiled=True) == {}
 
 
+class _Unhashable(int):
+    """A width that cannot be hashed, as a symbolic one (``torch.SymInt``) under compile cannot."""
+
+    __hash__ = None
+
+
+def test_the_norm_backward_takes_the_row_loop_only_where_it_measured_faster_on_that_class_of_gpu(monkeypatch):
+    name = "NVIDIA H200"  # the GPU's name is faked (no GPU here): the rule reads nothing else of it
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda", 0)
+    swap._row_loop_widths.cache_clear()
+    try:
+        assert swap.ROW_LOOP_WINS == {("H100/H200", "rms_norm"): frozenset({4096})}  # the H200 run of 2026-11-27
+        assert swap.row_loop_measured_faster(cuda, "rms_norm", 4096)
+        assert swap.row_loop_measured_faster(cuda, "rms_norm", _Unhashable(4096))  # compared, never hashed
+        assert not swap.row_loop_measured_faster(cuda, "rms_norm", 2048)
+        assert not swap.row_loop_measured_faster(cuda, "layer_norm", 4096)
+        assert not swap.row_loop_measured_faster(torch.device("cpu"), "rms_norm", 4096)  # the interpreter: tiles
+        swap._row_loop_widths.cache_clear()
+        name = "NVIDIA A100-SXM4-80GB"  # no measurement for this class: the tiles
+        assert not swap.row_loop_measured_faster(cuda, "rms_norm", 4096)
+    finally:
+        swap._row_loop_widths.cache_clear()
+
+
 def test_gpus_are_known_by_their_class():
     assert swap.device_class("NVIDIA H200") == "H100/H200"
     assert swap.device_class("NVIDIA H100 80GB HBM3") == "H100/H200"
