@@ -1,14 +1,10 @@
 """precision="fp8-mixed" (``Float8Precision``, torchao's float8 training layers) on the CPU under torchao's emulation,
-its refusals, and Lightning's ``TransformerEnginePrecision`` names. DDP and FSDP on 2 gloo processes run
-tests/scripts/fp8_checks.py."""
+and its refusals. DDP and FSDP on 2 gloo processes run tests/scripts/fp8_checks.py; Lightning's Transformer Engine
+names are in test_transformer_engine.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
 import warnings
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -20,7 +16,7 @@ from fabriclite.choices import parse_precision
 from helpers import SCRIPTS, assert_passed, run_python
 
 torchao = pytest.importorskip("torchao", reason="fp8-mixed needs torchao (the dev extra installs it)")
-from fabriclite.plugins import Float8Precision, TransformerEnginePrecision  # noqa: E402
+from fabriclite.plugins import Float8Precision  # noqa: E402
 
 Float8Linear = torchao.float8.float8_linear.Float8Linear
 
@@ -61,10 +57,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_fp8_names_parse_to_fp8_mixed_and_lightnings_transformer_engine_names_are_valid():
+def test_fp8_and_fp8_mixed_parse_to_fp8_mixed():
     assert parse_precision("fp8") == "fp8-mixed" == parse_precision("FP8-mixed")
-    assert parse_precision("transformer-engine") == "transformer-engine"
-    assert parse_precision("transformer-engine-float16") == "transformer-engine-float16"
     with pytest.raises(ValueError, match="Did you mean 'fp8-mixed'"):
         parse_precision("fp8-mixd")
 
@@ -293,65 +287,3 @@ def test_a_missing_or_mismatched_torchao_is_refused_naming_the_versions_and_the_
         match=r"No module named 'torchao': precision='fp8-mixed' .*For torch .*pip install 'torchao",
     ):
         Fabric(accelerator="cpu", precision="fp8-mixed")
-
-
-# ------------------------------------------------------------------------------------- Transformer Engine names
-@pytest.mark.parametrize("name", ["transformer-engine", "transformer-engine-float16"])
-def test_lightnings_transformer_engine_string_without_it_says_what_to_install_and_never_falls_back(name):
-    if importlib.util.find_spec("transformer_engine") is not None:
-        pytest.skip("checks the refusal where Transformer Engine is absent")
-    with pytest.raises(ModuleNotFoundError) as error:
-        Fabric(accelerator="cpu", precision=name)
-    message = str(error.value)
-    assert "Requirement 'transformer_engine' not met" in message
-    assert "pip install -U 'transformer-engine[pytorch]'" in message and "precision='fp8-mixed'" in message
-    with pytest.raises(ModuleNotFoundError, match="transformer_engine"):
-        TransformerEnginePrecision(weights_dtype=torch.bfloat16)
-
-
-@pytest.fixture
-def stand_in_transformer_engine(monkeypatch):
-    """A stand-in ``transformer_engine`` (it installs only with CUDA): layers that subclass torch's, an fp8_autocast
-    that records its recipe. Checks fabriclite's wiring, not Transformer Engine."""
-    te = types.ModuleType("transformer_engine")
-    te.__path__ = []
-    pytorch = types.ModuleType("transformer_engine.pytorch")
-    common = types.ModuleType("transformer_engine.common")
-    recipe = types.ModuleType("transformer_engine.common.recipe")
-    entered = []
-
-    class Linear(nn.Linear):
-        pass
-
-    class LayerNorm(nn.LayerNorm):
-        pass
-
-    Linear.__module__ = LayerNorm.__module__ = "transformer_engine.pytorch.module"
-
-    class DelayedScaling:
-        def __init__(self, **settings):
-            self.settings = settings
-
-    pytorch.Linear, pytorch.LayerNorm = Linear, LayerNorm
-    pytorch.fp8_autocast = lambda enabled, fp8_recipe: entered.append(fp8_recipe) or nullcontext()
-    recipe.DelayedScaling, recipe.Format = DelayedScaling, types.SimpleNamespace(HYBRID="hybrid")
-    te.pytorch, te.common, common.recipe = pytorch, common, recipe
-    for module in (te, pytorch, common, recipe):
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr("fabriclite.plugins.precision.transformer_engine._TRANSFORMER_ENGINE_AVAILABLE", True)
-    return types.SimpleNamespace(Linear=Linear, LayerNorm=LayerNorm, entered=entered)
-
-
-def test_transformer_engine_precision_swaps_layers_with_the_same_weights_and_casts_them(stand_in_transformer_engine):
-    te = stand_in_transformer_engine
-    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 5))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    precision = TransformerEnginePrecision(weights_dtype=torch.bfloat16, recipe={"fp8_format": "HYBRID"})
-    with pytest.warns(UserWarning, match=r"leaves '2' \(32 -> 5\) as it is"):
-        precision.convert_module(model)
-    assert [type(m) for m in model] == [te.Linear, te.LayerNorm, nn.Linear]
-    assert all(torch.equal(model.state_dict()[k], v.to(torch.bfloat16)) for k, v in before.items())
-    assert precision.recipe.settings == {"fp8_format": "hybrid"} and precision.name == "transformer-engine"
-    with precision.forward_context():
-        assert torch.get_default_dtype() == torch.bfloat16
-    assert te.entered == [precision.recipe]
