@@ -8,8 +8,9 @@ Sections, each in its own process, one after the other, within a time budget (45
 - ``vit``: examples/vit/model.py configured as ViT-B/16 (224x224, patches of 16, width 768, 12 layers of 12 heads,
   86M parameters, 10 classes; ``--model timm``: timm's vit_base_patch16_224, no weights downloaded), AdamW, batch 128
   (halved until it fits), synthetic CIFAR-10 images made on the GPU and resized to 224. Variants: fp32, bf16-mixed,
-  bf16-mixed + kernels, bf16-mixed + compile, bf16-mixed + compile + kernels. MFU divides the FLOPs
-  ``ViTConfig.flops`` works out from the shapes (docs/throughput.md) by the step time and the device's dense peak
+  bf16-mixed + kernels, bf16-mixed + compile, bf16-mixed + compile + kernels, fp8-mixed, fp8-mixed + compile
+  (torchao, issue 46; last, so the bf16 rows keep their time). MFU divides the FLOPs ``ViTConfig.flops`` works
+  out from the shapes (docs/throughput.md) by the step time and the device's dense peak
   (``get_available_flops``). The 3-epoch estimate: 3 x 50,000 training images and 10,000 evaluated at the
   steady-state rates, plus the first steps' compile time (the seed talk on 4 A100s: 18.5 min fp32, 6.4 min
   bf16-mixed, 2.2 min with DDP).
@@ -21,16 +22,20 @@ Sections, each in its own process, one after the other, within a time budget (45
   linear cross-entropy at 8192 x 4096 x 128256 (vocabulary chunks next to row chunks), then cross-entropy at
   8192 x 128256 and the residual-add norms (then RoPE, SwiGLU and bias + GELU, time allowing); forward and forward +
   backward; time, throughput against the measured copy bandwidth, peak memory. Liger-Kernel when installed.
+- ``fp8`` (issue 46, in_model_fp8.py): the examples' Llama GPT at widths 2048 and 4096 (4 layers, 2048-token
+  windows) in fp8-mixed against bf16-mixed, compiled then eager, interleaved: tokens/s, fp8's speed-up, the loss.
+  fp8-mixed needs torchao on the machine (the rows say so otherwise).
 
 Every row is written to its CSV in --out as soon as it is measured, naming the device and the torch, triton and
-CUDA versions, so a run cut short keeps what it measured: vit.csv, frameworks.csv, overhead.csv, kernels.csv. The
-sections' output goes to suite.log; the tables and the issue's goals (met or missed) go to summary.md and stdout.
+CUDA versions, so a run cut short keeps what it measured: vit.csv, frameworks.csv, overhead.csv, kernels.csv,
+fp8.csv. The sections' output goes to suite.log; the tables and the issue's goals (met or missed) go to summary.md
+and stdout.
 
 ``--smoke`` runs every section on the CPU (the GPU hidden) at tiny sizes, with the kernels under Triton's
 interpreter and torch.compile's eager backend, in about a minute: it checks that the suite works. Its rows say
 "smoke" and name the CPU; they are never GPU results.
 
-Usage: ``python benchmarks/gpu_suite.py --out DIR [--quick | --smoke] [--sections vit compare kernels]``.
+Usage: ``python benchmarks/gpu_suite.py --out DIR [--quick | --smoke] [--sections vit compare kernels fp8]``.
 """
 
 from __future__ import annotations
@@ -61,13 +66,16 @@ from library_loops import FRAMEWORKS, ModelAndOptimizer, build, interleaved, tim
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the examples' models: vit.model, gpt.model
-SECTIONS = ("models", "vit", "compare", "kernels")
+SECTIONS = ("models", "vit", "compare", "kernels", "fp8")
 VIT_VARIANTS = (  # name, precision, compile, kernels
     ("fp32", "32-true", False, False),
     ("bf16-mixed", "bf16-mixed", False, False),
     ("bf16-mixed + kernels", "bf16-mixed", False, True),
     ("bf16-mixed + compile", "bf16-mixed", True, False),
     ("bf16-mixed + compile + kernels", "bf16-mixed", True, True),
+    # Last, so the bf16 rows keep their time: torchao's float8 layers (emulated on the smoke run's CPU).
+    ("fp8-mixed", "fp8-mixed", False, False),
+    ("fp8-mixed + compile", "fp8-mixed", True, False),
 )
 VIT_B16 = {"image_size": 224, "patch_size": 16, "in_channels": 3, "dim": 768, "depth": 12, "heads": 12}
 TINY_VIT = {"image_size": 32, "patch_size": 8, "in_channels": 3, "dim": 64, "depth": 2, "heads": 4}
@@ -85,6 +93,7 @@ PLAN = (
     ("compare", "bf16-mixed", 0.1),
     ("compare", "32-true", 0.16),
     ("kernels", None, 0.26),
+    ("fp8", None, 0.3),  # issue 46: fp8-mixed against bf16-mixed in the GPT (in_model_fp8.py)
 )
 BUDGET_S = {"full": 450, "quick": 270, "smoke": 240}
 GRACE_S = 15  # past its share a section is killed; it stops starting new measurements this long before
@@ -112,7 +121,13 @@ SIZES = {
                    overhead_rounds=2, overhead_steps=8),
 }  # fmt: skip
 # The CSVs each section writes (a run of some sections leaves the others' CSVs in the folder as they were).
-WRITES = {"models": ("models",), "vit": ("vit",), "compare": ("frameworks", "overhead"), "kernels": ("kernels",)}
+WRITES = {
+    "models": ("models",),
+    "vit": ("vit",),
+    "compare": ("frameworks", "overhead"),
+    "kernels": ("kernels",),
+    "fp8": ("fp8",),
+}
 
 # ---------------------------------------------------------------------- the CSVs
 COMMON = "run device torch triton cuda time".split()
@@ -133,6 +148,10 @@ FIELDS = {
     "frameworks": COMPARISON,
     "overhead": COMPARISON,
     "kernels": "op shape dtype mode implementation ms gbps copy_gbps fraction_of_copy peak_mib error".split(),
+    "fp8": (
+        "model width variant precision compiled rounds steps_per_round step_ms tokens_per_s speedup_vs_bf16 "
+        "first_step_s peak_mib loss graph_breaks error"
+    ).split(),
 }
 
 
@@ -318,7 +337,9 @@ def vit_section(out: Path, run: str, model_name: str, clock: Clock) -> None:
             except Exception as exc:  # noqa: BLE001 - the rates stand without the MFU
                 print(f"no FLOP count, so no MFU: {type(exc).__name__}: {exc}", flush=True)
                 flops[batch] = None
-        peak = get_available_flops(device, torch.bfloat16 if "bf16" in precision else torch.float32)
+        # fp8 against the bf16 peak: its MFU then compares with the bf16 rows' as a rate of the same work.
+        half = "bf16" in precision or precision == "fp8-mixed"
+        peak = get_available_flops(device, torch.bfloat16 if half else torch.float32)
         table.write(**row, **rates(result, batch, flops[batch], peak))
 
 
@@ -506,6 +527,10 @@ def run_section(args: argparse.Namespace) -> int:
         vit_section(out, args.run, args.model, clock)
     elif args.section == "compare":
         compare_section(out, args.run, args.model, args.precision, clock)
+    elif args.section == "fp8":
+        from in_model_fp8 import run_fp8
+
+        run_fp8(Table(out, "fp8", args.run).write, args.run, clock.out)
     else:
         kernels_section(out, args.run, clock)
     return 0

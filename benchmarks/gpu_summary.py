@@ -1,5 +1,5 @@
 """The tables and the issues' goals (met, MISSED or not measured) from the CSVs gpu_suite.py writes: models.csv,
-vit.csv, frameworks.csv, overhead.csv and kernels.csv in one folder. gpu_suite.py prints this at its end; run it alone to
+vit.csv, frameworks.csv, overhead.csv, kernels.csv and fp8.csv in one folder. gpu_suite.py prints this at its end; run it alone to
 summarise a folder again, after a run that was cut short, say. ``--verdict`` prints instead the one line that ends
 gpu_run.sh, from the whole folder it wrote.
 
@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-CSVS = ("models", "vit", "frameworks", "overhead", "kernels")
+CSVS = ("models", "vit", "frameworks", "overhead", "kernels", "fp8")
 NORM_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")
 IMPLEMENTATIONS = (  # kernels.py's
     "fabriclite", "fabriclite, row loop", "fabriclite, row chunks", "fabriclite, overwrite", "torch",
@@ -80,6 +80,30 @@ def models(rows: list[Row]) -> tuple[list[str], list[str]]:
     return table, goals
 
 
+def fp8(rows: list[Row]) -> tuple[list[str], list[str]]:
+    """in_model_fp8.py's rows: fp8-mixed against bf16-mixed in the GPT, compiled and eager, per width."""
+    table = ["| width | variant | step ms | tokens/s | fp8 speed-up | peak MiB | first step s | loss | error |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        speedup = f"{number(r['speedup_vs_bf16']):.2f}x" if r["speedup_vs_bf16"] else "-"
+        numbers = "- | - | - | - | - | -" if r["error"] else (
+            f"{number(r['step_ms']):.1f} | {number(r['tokens_per_s']):.0f} | {speedup} | "
+            f"{number(r['peak_mib']):.0f} | {number(r['first_step_s']):.1f} | {number(r['loss']):.4f}"
+        )  # fmt: skip
+        table.append(f"| {r['width']} | {r['variant']} | {numbers} | {r['error']} |")
+    widest = max((number(r["width"]) for r in rows), default=math.nan)
+    ok = {r["variant"]: r for r in rows if not r["error"] and number(r["width"]) == widest}
+    x = number(ok.get("compiled fp8-mixed", {}).get("speedup_vs_bf16"))
+    width = "4096" if math.isnan(widest) else f"{widest:.0f}"
+    goals = [
+        goal(
+            x, x >= 1.25, f"GPT at width {width}, compiled: fp8-mixed at least 1.25x bf16-mixed's tokens/s ({x:.2f}x)"
+        ),
+        goal(math.nan, False, "GPT fp8-mixed's loss after 200 steps within 1% of bf16-mixed's (the suite runs a few)"),
+    ]
+    return table, goals
+
+
 def vit(rows: list[Row]) -> tuple[list[str], list[str]]:
     table = ["| variant | batch | images/s | MFU | peak MiB | compile s | 3-epoch run s | error |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
@@ -97,6 +121,11 @@ def vit(rows: list[Row]) -> tuple[list[str], list[str]]:
     if "fp32" in ok and "bf16-mixed" in ok:
         x = number(ok["bf16-mixed"]["images_per_s"]) / number(ok["fp32"]["images_per_s"])
         goals.append(goal(x, x >= 2.5, f"ViT bf16-mixed at least 2.5x fp32 images/s ({x:.2f}x)"))
+    for mode in ("", " + compile"):  # issue 46: fp8 never slower than bf16-mixed at ViT-B/16's width of 768
+        fp8, bf16 = ok.get(f"fp8-mixed{mode}"), ok.get(f"bf16-mixed{mode}")
+        if fp8 and bf16:
+            x = number(fp8["images_per_s"]) / number(bf16["images_per_s"])
+            goals.append(goal(x, x >= 1.0, f"ViT fp8-mixed{mode} at least bf16-mixed{mode}'s images/s ({x:.2f}x)"))
     compiled = [number(r["mfu"]) for name, r in ok.items() if "compile" in name]
     if compiled:
         x = max(compiled)
@@ -226,6 +255,7 @@ def summarize(folder: Path, notes: tuple[str, ...] = ()) -> str:
         ("ViT step by library", comparison(rows["frameworks"], WITHIN_RAW["frameworks"])),
         ("Per-step overhead of a tiny model", comparison(rows["overhead"], WITHIN_RAW["overhead"])),
         ("Kernels in bf16 (median time, throughput as a share of the copy bandwidth, peak memory)", kernels(rows["kernels"])),
+        ("fp8-mixed against bf16-mixed in the GPT (a speed-up above 1: fp8 is faster)", fp8(rows["fp8"])),
     ):  # fmt: skip
         lines += [f"## {title}", "", *table, ""]
         goals += found

@@ -46,6 +46,7 @@ class Variant:
     name: str
     compiled: bool
     kernels: tuple[str, ...]
+    precision: str = "bf16-mixed"  # in_model_fp8.py's rows set "fp8-mixed"
 
 
 @dataclass(frozen=True)
@@ -167,22 +168,26 @@ class Runner:
     samples: int  # images or tokens per step
     swapped: int  # norm modules swapped in
     graph_breaks: Callable[[], Any]
+    last_loss: Callable[[], float]
 
 
-def set_up(model_name: str, variant: Variant, run: str, device: torch.device) -> Runner:
-    """The variant's model through ``Fabric`` (bf16-mixed, compiled or not), its norms swapped for the fused ones
-    where the variant names them (as ``Fabric(kernels=True)`` does where the swap rule allows)."""
+def set_up(
+    model_name: str, variant: Variant, run: str, device: torch.device, sizes: ModelSizes | None = None
+) -> Runner:
+    """The variant's model through ``Fabric`` (in its precision, compiled or not), its norms swapped for the fused
+    ones where the variant names them (as ``Fabric(kernels=True)`` does where the swap rule allows); ``sizes``: the
+    run's ``MODEL_SIZES`` unless given."""
     from itertools import cycle
 
     from fabriclite import Fabric
     from fabriclite.kernels.swap import swap_modules
 
-    sizes = MODEL_SIZES[run]
+    sizes = sizes or MODEL_SIZES[run]
     # On the GPU TorchInductor; the smoke run's CPU would spend minutes building C++, so Dynamo alone there.
     compile_arg: Any = False
     if variant.compiled:
         compile_arg = {"backend": "eager"} if run == "smoke" else True
-    fabric = Fabric(accelerator=device.type, devices=1, precision="bf16-mixed", compile=compile_arg)
+    fabric = Fabric(accelerator=device.type, devices=1, precision=variant.precision, compile=compile_arg)
     torch.manual_seed(0)
     if model_name == "vit":
         model, loss_of, batches = build_vit(sizes, fabric.device)
@@ -194,17 +199,20 @@ def set_up(model_name: str, variant: Variant, run: str, device: torch.device) ->
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = fabric.setup(model, optimizer)
 
+    losses: list[torch.Tensor] = []
+
     def step(*batch: torch.Tensor) -> None:
         loss = loss_of(model, *batch)
         optimizer.zero_grad(set_to_none=True)
         fabric.backward(loss)
         optimizer.step()
+        losses[:] = [loss.detach()]  # read once at the end: no synchronisation in the timed steps
 
     def graph_breaks() -> Any:
         report = fabric.compile_report()
         return report[0]["graph_breaks"] if report else ""
 
-    return Runner(variant, step, cycle(batches), samples, swapped, graph_breaks)
+    return Runner(variant, step, cycle(batches), samples, swapped, graph_breaks, lambda: losses[0].item())
 
 
 def _peak_mib(device: torch.device) -> float:
@@ -244,6 +252,33 @@ def compare(
     return results
 
 
+def measure_group(
+    model_name: str,
+    group: list[Variant],
+    run: str,
+    device: torch.device,
+    sizes: ModelSizes,
+    out_of_time: Callable[[], bool],
+) -> tuple[list[Runner], dict[str, dict[str, Any]], dict[str, str]]:
+    """Set up every variant of ``group`` and time them in interleaved rounds: (the runners that measured, their
+    results as ``compare`` gives them, the error of each variant that failed, by name).
+
+    Usage: ``runners, results, errors = measure_group("gpt", group, "full", device, sizes, clock.out)``.
+    """
+    runners, errors = [], {}
+    for variant in group:
+        try:
+            runners.append(set_up(model_name, variant, run, device, sizes))
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' rows
+            errors[variant.name] = f"{type(exc).__name__}: {exc}"
+    try:
+        results = compare(runners, sizes, device, out_of_time, errors) if runners else {}
+    except Exception as exc:  # noqa: BLE001 - a failure within the rounds: no variant's times are whole
+        results = {}
+        errors.update({r.variant.name: f"{type(exc).__name__}: {exc}" for r in runners})
+    return runners, results, errors
+
+
 def run_models(write: Callable[..., None], run: str, out_of_time: Callable[[], bool], models=("vit", "gpt")) -> None:
     """Measure every model's eager variants together, then every model's compiled ones, writing a row per variant
     through ``write(**row)`` (gpu_suite.py's Table)."""
@@ -258,17 +293,7 @@ def run_models(write: Callable[..., None], run: str, out_of_time: Callable[[], b
                     write(**base, variant=variant.name, compiled=compiled, kernels=" ".join(variant.kernels),
                           error="skipped: out of time")  # fmt: skip
                 continue
-            runners, errors = [], {}
-            for variant in group:
-                try:
-                    runners.append(set_up(model_name, variant, run, device))
-                except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' rows
-                    errors[variant.name] = f"{type(exc).__name__}: {exc}"
-            try:
-                results = compare(runners, sizes, device, out_of_time, errors) if runners else {}
-            except Exception as exc:  # noqa: BLE001 - a failure within the rounds: no variant's times are whole
-                results = {}
-                errors.update({r.variant.name: f"{type(exc).__name__}: {exc}" for r in runners})
+            runners, results, errors = measure_group(model_name, group, run, device, sizes, out_of_time)
             baseline = results.get("compiled" if compiled else "eager")
             base_ms = statistics.median(baseline["ms"]) if baseline and baseline["ms"] else float("nan")
             for runner in runners:

@@ -19,6 +19,8 @@ This module imports nothing of fabriclite, so every layer may import it. Usage:
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import inspect
 import platform
 import sys
@@ -371,6 +373,20 @@ def average_gradients_on_gloo(module: torch.nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------- checkpoints
+def inner_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding the memory of a wrapper tensor subclass (torchao's float8 weights wrap their fp32
+    weight), or ``tensor`` itself: a wrapper has no storage of its own.
+
+    Usage: ``inner_tensor(dtensor.to_local()).untyped_storage()``.
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, names[0])
+    return tensor
+
+
 def dcp_metadata_path(reader: Any, rank: int | None) -> Path:
     """The ``.metadata`` file a ``torch.distributed.checkpoint`` ``FileSystemReader`` reads (one per rank with
     ``rank``, where torch supports that).
@@ -390,3 +406,81 @@ def process_groups() -> dict[Any, Any]:
     import torch.distributed.distributed_c10d as c10d
 
     return c10d._pg_map
+
+
+# ---------------------------------------------------------------------- optional packages
+class _Requirement:
+    """Whether a package is installed, as Lightning's ``RequirementCache``: true or false, and its ``str`` says how
+    to install it when it is missing."""
+
+    def __init__(self, package: str, install: str | None = None) -> None:
+        self.package = package
+        self.install = install or package  # what pip installs, where its name differs from the import's
+
+    def __bool__(self) -> bool:
+        return importlib.util.find_spec(self.package) is not None
+
+    def __str__(self) -> str:
+        if self:
+            return f"Requirement {self.package!r} met ({importlib.metadata.version(self.package)})"
+        return f"Requirement {self.package!r} not met. HINT: Try running `pip install -U {self.install!r}`"
+
+
+# ---------------------------------------------------------------------- torchao (the fp8 precision)
+# The torchao releases whose float8 training goes with each torch, from torchao's own compatibility table (issue
+# pytorch/ao#2919, removed in torchao 0.17): 0.13 and 0.14.0 were built against torch 2.8, 0.14.1 and 0.15 against
+# 2.9, 0.16 against 2.10. From 0.17 on torchao builds on torch's stable ABI and needs torch >= 2.11. Checked here:
+# torchao 0.18.0 on torch 2.13 (CPU, emulated). (lowest, first too new) by torch (major, minor); None: no upper end.
+TORCHAO_FOR_TORCH: dict[tuple[int, int], tuple[str, str | None]] = {
+    (2, 8): ("0.13.0", "0.14.1"),
+    (2, 9): ("0.14.1", "0.16.0"),
+    (2, 10): ("0.16.0", "0.17.0"),
+    (2, 11): ("0.17.0", None),
+}
+
+
+def torchao_requirement(torch_version: str = torch.__version__) -> str:
+    """The pip requirement of the torchao that matches ``torch_version``.
+
+    Usage: ``torchao_requirement("2.13.0") == "torchao>=0.17.0"``.
+    """
+    lowest, too_new = _torchao_range(torch_version)
+    return f"torchao>={lowest}" + (f",<{too_new}" if too_new else "")
+
+
+def _torchao_range(torch_version: str) -> tuple[str, str | None]:
+    # A torch newer than the table's last row takes that row (torchao's stable ABI); the floor's is the oldest row.
+    key = min(max(_version_tuple(torch_version), min(TORCHAO_FOR_TORCH)), max(TORCHAO_FOR_TORCH))
+    return TORCHAO_FOR_TORCH[key]
+
+
+def _release_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:3] if part.isdigit())
+
+
+def torchao_float8(torchao_version: str | None = None, torch_version: str = torch.__version__) -> Any:
+    """``torchao.float8``, once torchao is known to be installed in a release that matches this torch; else an
+    ``ImportError`` (``ModuleNotFoundError`` when torchao is missing) naming both versions and the pip command.
+    ``torchao_version`` stands in for the installed one (tests).
+
+    Usage: ``float8 = torchao_float8(); float8.convert_to_float8_training(model, config=...)``.
+    """
+    needed = torchao_requirement(torch_version)
+    if torchao_version is None:
+        try:
+            torchao_version = importlib.metadata.version("torchao")
+        except importlib.metadata.PackageNotFoundError:
+            raise ModuleNotFoundError(
+                f"No module named 'torchao': precision='fp8-mixed' (Float8Precision) trains with torchao's float8 "
+                f"layers. For torch {torch_version}: pip install '{needed}' (or pip install 'fabriclite[fp8]')."
+            ) from None
+    lowest, too_new = _torchao_range(torch_version)
+    release = _release_tuple(torchao_version)
+    if release < _release_tuple(lowest) or (too_new is not None and release >= _release_tuple(too_new)):
+        raise ImportError(
+            f"precision='fp8-mixed' needs the torchao built for torch {torch_version}, but torchao "
+            f"{torchao_version} is installed: pip install '{needed}'."
+        )
+    import torchao.float8
+
+    return torchao.float8

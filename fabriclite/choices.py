@@ -16,8 +16,11 @@ from typing import Any, Callable
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 
-PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+# "fp8-mixed": fp8 layers in a bf16-mixed run (torchao); "transformer-engine(-float16)": Lightning's fp8 strings.
+PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fp8-mixed")
+PRECISIONS += ("transformer-engine", "transformer-engine-float16")
+# "fp8" is Accelerate's mixed_precision name.
+_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed", "fp8": "fp8-mixed"}
 
 
 def did_you_mean(value: Any, choices: Sequence[str]) -> str:

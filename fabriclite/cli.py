@@ -31,7 +31,7 @@ RUN_SETTINGS: dict[str, str] = {
     "a single node uses a local rendezvous on a free port when neither this nor --main-port is given.",
     "main_port": "Port on the main node (default with several nodes: 29500, torchrun's default). With several "
     "nodes, node 0's `fabriclite run` listens on it; the processes meet on a fresh port for every (re)start.",
-    "precision": "Precision for the script's Fabric(), e.g. 32-true, bf16-mixed, 16-mixed, bf16-true "
+    "precision": "Precision for the script's Fabric(), e.g. 32-true, bf16-mixed, 16-mixed, bf16-true, fp8-mixed "
     "(default: Fabric's own, 32-true).",
     "state_dict_type": "Checkpoint format under --strategy fsdp (or a ModelParallelStrategy): sharded, a folder "
     "every process writes its shards into, or full, one consolidated file (FSDPStrategy's state_dict_type; "

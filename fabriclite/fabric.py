@@ -27,8 +27,8 @@ from fabriclite.compile import CompileWatch, compile_kwargs
 from fabriclite.data import wrap_loader
 from fabriclite.kernels import kernels_usable
 from fabriclite.processes.launcher import check_launch_function, do_nothing
-from fabriclite.plugins import split_plugins
-from fabriclite.plugins.precision import Precision, select_precision
+from fabriclite.plugins import select_precision, split_plugins
+from fabriclite.plugins.precision import Precision
 from fabriclite.seed import seed_everything as _seed_everything
 from fabriclite.strategies import Strategy, parse_strategy, select_strategy
 from fabriclite.wrappers import _FabricModule, _FabricOptimizer, wrap_model

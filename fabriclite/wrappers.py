@@ -81,6 +81,8 @@ def wrap_model(
     watch = None
     if compile_kwargs is not None and not user_compiled:
         forward_module, watch = compile_model(forward_module, original, strategy, compile_kwargs)
+    elif not user_compiled:
+        precision.note_not_compiled()
     guard = strategy.syncs_in_forward
     return _FabricModule(forward_module, precision, original, watch=watch, guard_methods=guard, device=device)
 

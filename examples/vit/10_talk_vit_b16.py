@@ -17,6 +17,7 @@ Usage:
     python examples/vit/10_talk_vit_b16.py --download            # the talk's run on one GPU
     python examples/vit/10_talk_vit_b16.py --devices 4           # DDP on 4 GPUs
     python examples/vit/10_talk_vit_b16.py --batch-size 256 --precision bf16-true  # faster, see docs
+    python examples/vit/10_talk_vit_b16.py --precision fp8-mixed  # fp8 (torchao), see docs/precision.md
     python examples/vit/10_talk_vit_b16.py --synthetic --image-size 32 --dim 64 --depth 2 --train-size 256 \\
         --test-size 128 --batch-size 32 --epochs 1 --workers 0 --precision 32-true --no-compile   # CI, on a CPU
 """

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
+from fabriclite._versions import inner_tensor
 from fabriclite.checkpoint.errors import first_line
 
 
@@ -104,7 +105,7 @@ def shard_key(tensor: Any) -> tuple | None:
     every such shard has the same address), never one with another. Every rank must decide alike, since each key
     gathered is a collective: a tied parameter's memory is never empty on any rank (FSDP pads every rank's shard to
     the same size)."""
-    local = tensor.to_local()
+    local = inner_tensor(tensor.to_local())  # fp8's weights wrap their memory
     storage = local.untyped_storage()
     if storage.nbytes() == 0:
         return None

@@ -237,6 +237,9 @@ class ShardedSetup:
         # parameters' data to the device, these stay where the model was built).
         source = {n: t.detach() for n, t in named_tensors(module).items()} if copy and strategy.is_global_zero else {}
         old_params = [(name, weakref.ref(p)) for name, p in module.named_parameters()]
+        precision = getattr(strategy, "precision", None)
+        if precision is not None:  # fp8's weights became new parameters in its conversion; optimizers hold the old
+            old_params += [(name, weakref.ref(p)) for name, p in precision.replaced_parameters().items()]
         self.uninitialized = []
         module = shard(module)
         average_gradients_on_gloo(module)  # FSDP2 units over gloo sum and divide themselves (torch 2.8 summed)

@@ -14,7 +14,15 @@ from helpers import ROOT, run_command, run_python
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 RUN = ROOT / "benchmarks" / "gpu_run.sh"
 CSVS = {
-    "vit": {"fp32", "bf16-mixed", "bf16-mixed + kernels", "bf16-mixed + compile", "bf16-mixed + compile + kernels"},
+    "vit": {
+        "fp32",
+        "bf16-mixed",
+        "bf16-mixed + kernels",
+        "bf16-mixed + compile",
+        "bf16-mixed + compile + kernels",
+        "fp8-mixed",
+        "fp8-mixed + compile",
+    },
     "frameworks": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
     "overhead": {"raw", "fabriclite", "lightning_fabric", "accelerate"},
     # kernels.py's IMPLEMENTATIONS less Liger (not installed here)
@@ -162,8 +170,8 @@ def test_a_model_variant_whose_first_step_fails_gets_its_own_error_and_the_other
 
     real_set_up = in_model.set_up
 
-    def set_up(model_name, variant, run, device):
-        runner = real_set_up(model_name, variant, run, device)
+    def set_up(model_name, variant, run, device, sizes=None):
+        runner = real_set_up(model_name, variant, run, device, sizes)
         if variant.name != "compiled + all kernels":
             return runner
 
@@ -206,3 +214,27 @@ def test_the_gpu_runs_verdict_names_every_failed_step_test_row_and_unfinished_ta
     (tmp_path / "run.log").write_text("===== models: exit 0 after 80 s\n")
     (tmp_path / "talk-cold.log").write_text("RESULT ...\n")
     assert verdict(tmp_path) == (True, "GPU CHECKS PASSED")
+
+
+def test_the_fp8_section_measures_fp8_against_bf16_in_the_gpt_compiled_and_eager(monkeypatch):
+    """gpu_suite.py's fp8 section (issue 46) at the smoke size: both precisions in both modes, fp8's speed-up and loss
+    next to bf16's, and the summary's goal line for the widest GPT."""
+    pytest.importorskip("torchao", reason="fp8-mixed needs torchao (the dev extra installs it)")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_summary
+    import in_model_fp8
+
+    rows = []
+    in_model_fp8.run_fp8(lambda **row: rows.append(row), "smoke", lambda: False)
+    assert [(row["variant"], row["precision"]) for row in rows] == [
+        ("compiled bf16-mixed", "bf16-mixed"),
+        ("compiled fp8-mixed", "fp8-mixed"),
+        ("eager bf16-mixed", "bf16-mixed"),
+        ("eager fp8-mixed", "fp8-mixed"),
+    ]
+    for bf16, fp8 in (rows[:2], rows[2:]):
+        assert not bf16["error"] and not fp8["error"], (bf16, fp8)
+        assert bf16["speedup_vs_bf16"] == 1.0 and fp8["speedup_vs_bf16"] > 0 and fp8["tokens_per_s"] > 0
+        assert abs(fp8["loss"] - bf16["loss"]) < 0.05 * bf16["loss"] and fp8["loss"] != bf16["loss"]
+    _, goals = gpu_summary.fp8([{key: str(value) for key, value in row.items()} for row in rows])
+    assert "GPT at width 32, compiled: fp8-mixed at least 1.25x bf16-mixed's tokens/s" in goals[0]

@@ -51,6 +51,15 @@ def test_the_talk_run_says_loudly_it_has_no_weights_and_no_data_and_reports_its_
     assert record["train_mfu"] is None and "MFU of that training: n/a" in done.stdout  # a CPU has no peak
 
 
+def test_the_talk_run_takes_fp8_from_its_command_line():
+    pytest.importorskip("torchao", reason="fp8-mixed needs torchao (the dev extra installs it)")
+    args = [*TINY[:-1], "fp8-mixed"]
+    done = run_python(str(SCRIPT), *args, "--no-compile", timeout=300)
+    output = done.stdout + done.stderr
+    assert re.search(r"fp8-mixed: [1-9]\d* of \d+ Linear layers run in float8", output), output[-2000:]
+    assert "precision fp8-mixed" in done.stdout and result_of(done.stdout)["images_per_s"] > 0
+
+
 @pytest.mark.timeout(600)
 def test_the_talk_run_compiled_evaluates_new_and_partial_batch_sizes_without_recompiling():
     done = run_python(str(SCRIPT), *TINY, "--compile", timeout=540)

@@ -163,6 +163,15 @@ class Precision:
     def place(self, device: torch.device) -> None:
         """Learn the device the Fabric runs on (needed by the precisions that build a loss scaler)."""
 
+    def replaced_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters ``convert_module`` replaced by new ones, by name, as the user's optimizer still holds them:
+        a sharding strategy points that optimizer at the new ones' shards. Usage: ``precision.replaced_parameters()``."""
+        return {}
+
+    def note_not_compiled(self) -> None:
+        """``fabric.setup`` calls this when the model is not compiled: a precision that needs compile for speed
+        (fp8) warns."""
+
     def agree_across_ranks(self) -> None:
         """Make every rank skip or take each step together. Under sharding each rank finds inf/NaN in its own
         gradient shards only, so the loss scaler (if any) becomes the same scaler, same state, deciding on the max
@@ -346,13 +355,13 @@ def select_precision(name: str, device: torch.device) -> Precision:
             "You passed `Fabric(accelerator='cpu', precision='16-mixed')` but AMP with fp16 is not supported on CPU. "
             "Using `precision='bf16-mixed'` instead: CPUs emulate fp16 autocast (a step measured about 70x slower). "
             "Pass precision='bf16-mixed' to silence this, or plugins=[MixedPrecision('16-mixed', 'cpu')] to keep fp16.",
-            stacklevel=5,  # the Fabric(...) line
+            stacklevel=6,  # the Fabric(...) line, through fabriclite.plugins.select_precision
         )
         name = "bf16-mixed"
     if name.endswith("-mixed"):
         # Lightning Fabric's words, for log readers and tests that look for them.
         amp = "16-bit" if name == "16-mixed" else "bfloat16"
-        rank_zero_info(f"Using {amp} Automatic Mixed Precision (AMP)", stacklevel=5)
+        rank_zero_info(f"Using {amp} Automatic Mixed Precision (AMP)", stacklevel=6)
         return MixedPrecision(name, device)
     return TruePrecision(name, device)
 

@@ -13,12 +13,11 @@ Usage: ``Fabric(plugins=[BitsandbytesPrecision("nf4-dq", dtype=torch.bfloat16)])
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 from typing import Any, ContextManager
 
 import torch
 
+from fabriclite._versions import _Requirement
 from fabriclite.plugins.precision import Precision, _cast_floating, _cast_inputs, default_dtype
 
 # mode -> (bitsandbytes layer, its settings)
@@ -30,22 +29,6 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-training": ("Linear8bitLt", {"has_fp16_weights": True}),
     "int8": ("Linear8bitLt", {"has_fp16_weights": False}),
 }
-
-
-class _Requirement:
-    """Whether a package is installed, as Lightning's ``RequirementCache``: true or false, and its ``str`` says how
-    to install it when it is missing."""
-
-    def __init__(self, package: str) -> None:
-        self.package = package
-
-    def __bool__(self) -> bool:
-        return importlib.util.find_spec(self.package) is not None
-
-    def __str__(self) -> str:
-        if self:
-            return f"Requirement {self.package!r} met ({importlib.metadata.version(self.package)})"
-        return f"Requirement {self.package!r} not met. HINT: Try running `pip install -U {self.package!r}`"
 
 
 _BITSANDBYTES_AVAILABLE = _Requirement("bitsandbytes")
