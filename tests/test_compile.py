@@ -459,35 +459,32 @@ def test_compile_with_kernels_leaves_the_norms_to_inductor_and_says_so(monkeypat
 
 
 WORKERS = """
-import os, subprocess, sys, time, torch
+import sys, torch
+from torch._inductor.async_compile import AsyncCompile
 from fabriclite import Fabric
 from fabriclite._versions import warm_compile_workers
 
-def workers(wait=0):  # the compile worker processes this process started, by their command line
-    deadline = time.monotonic() + wait  # a child shows its own command line only once it has started it
-    while True:
-        out = subprocess.run(["ps", "-o", "args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
-        found = [line for line in out.splitlines() if "compile_worker" in line]
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.2)
+def started():  # whether this process has started Inductor's pool of compile workers (torch makes it once)
+    return AsyncCompile.process_pool.cache_info().currsize > 0
 
 class CudaStrategy:  # a stand-in: Fabric's CUDA branch, on a machine without a GPU
     root_device = torch.device("cuda", 0)
     setup_environment = announce = lambda self: None
 
 fabric = Fabric(accelerator="cpu", compile=True)
-print("cpu", bool(workers()))
+print("cpu", started())
 fabric._strategy = CudaStrategy()
 fabric._compile = {"backend": "eager"}
 fabric._join()
-print("cuda eager", bool(workers()))
+print("cuda eager", started())
 if sys.argv[1] == "cuda inductor":
     fabric._compile = {}
     fabric._join()
 else:
-    print("direct", warm_compile_workers())
-print(sys.argv[1], bool(workers(wait=120)))  # the pool's first process starts at once, its workers in the background
+    warm_compile_workers()
+print(sys.argv[1], started())
+AsyncCompile.wait_pool_ready(timeout=240)  # and its workers come up (they import torch: a while when loaded)
+print("ready", AsyncCompile.use_process_pool())
 """
 
 
@@ -495,10 +492,12 @@ print(sys.argv[1], bool(workers(wait=120)))  # the pool's first process starts a
 @pytest.mark.parametrize("how", ["cuda inductor", "direct"])
 def test_a_process_that_will_compile_for_a_gpu_starts_inductors_workers_when_it_joins_the_run(how):
     # Without it the first compile's Triton kernels compile one by one in the process until the workers are up.
-    # Only where Inductor compiles Triton for a GPU: not on a CPU (C++ in threads), not for another backend.
-    done = run_python("-c", WORKERS, how, timeout=540)
-    assert done.stdout.split("\n")[:2] == ["cpu False", "cuda eager False"], done.stdout
-    assert f"{how} True" in done.stdout, done.stdout + done.stderr
+    # Only where Inductor compiles Triton for a GPU: not on a CPU (C++ in threads), not for another backend. Two
+    # compile threads, as on any machine with more than one core (Inductor's default is one per core).
+    done = run_python("-c", WORKERS, how, timeout=540, TORCHINDUCTOR_COMPILE_THREADS="2")
+    assert done.stdout.splitlines() == ["cpu False", "cuda eager False", f"{how} True", "ready True"], (
+        done.stdout + done.stderr
+    )
 
 
 def test_one_compile_thread_starts_no_workers():
