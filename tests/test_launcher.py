@@ -1,9 +1,11 @@
 """The launchers, through their one interface ``launch(function, *args, **kwargs)``: in this process, by running
 the script again (subprocess), and in new processes (spawn). Each multi-process run carries a timeout."""
 
+import os
 import pickle
 import re
 import signal
+import subprocess
 import time
 
 import pytest
@@ -66,7 +68,15 @@ def interrupt_when_waiting(mode: str) -> tuple[int, str, list[int]]:
         output = read_until(child, "WAITING 0", timeout=150)
         time.sleep(1)  # rank 0 is now inside the collective
         child.send_signal(signal.SIGINT)
-        rest, _ = child.communicate(timeout=90)
+        try:
+            rest, _ = child.communicate(timeout=90)
+        except subprocess.TimeoutExpired:  # every rank's threads' stacks (stalls.py's faulthandler), then fail
+            for pid in {child.pid, *map(int, re.findall(r"PID \d (\d+)", output))}:
+                os.kill(pid, signal.SIGUSR2)
+            time.sleep(3)
+            child.kill()
+            rest, _ = child.communicate(timeout=30)
+            raise AssertionError(f"stalls.py {mode} did not end 90 s after SIGINT:\n{output}{rest}") from None
     finally:
         sigkill(child)
     output += rest

@@ -10,6 +10,7 @@
 Each rank prints "PID <rank> <pid>" once it runs, and "WAITING <rank>" before the step it will wait in.
 """
 
+import faulthandler
 import os
 import signal
 import sys
@@ -19,6 +20,9 @@ import torch
 
 from fabriclite import Fabric
 from fabriclite.strategies import DDPStrategy
+
+# SIGUSR2 prints every thread's stack: what a test shows when a rank does not end.
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 def train(fabric: Fabric, deaf: bool) -> None:
