@@ -17,7 +17,8 @@ setup, compilation, ``load_latest`` or the first step, so that a notice at any o
   a rank that saves).
 - **SIGINT** stays Python's ``KeyboardInterrupt``. Python runs handlers only between bytecodes, so a main thread
   blocked in native code (a collective waiting for a hung rank) never sees it: once the main thread has stayed at
-  the very same instruction for ``INTERRUPT_GRACE_S``, the process exits with 130.
+  the very same instruction for ``INTERRUPT_GRACE_S`` (counted again wherever it stops within ``INTERRUPT_WATCH_S``
+  of the SIGINT), the process exits with 130.
 - Every signal is passed on to the ranks this process started (``forward_to``) as it arrives.
 - A process forked from this one (a DataLoader worker) inherits handlers that ignore notices: its rank decides. One
   that takes a part in the run itself (a rank of ``ddp_fork``) installs a policy of its own.
@@ -47,6 +48,7 @@ PREEMPTED_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: "a temporary failure; the 
 SAME_NOTICE_S = 2.0
 GRACE_S = 300.0  # after a notice, how long a process may take to save and exit before it is ended
 INTERRUPT_GRACE_S = 10.0  # how long a main thread blocked in native code gets to take an interrupt itself
+INTERRUPT_WATCH_S = 60.0  # how long after a SIGINT a main thread that stops somewhere is still counted as blocked
 
 
 class _Policy:
@@ -282,6 +284,7 @@ def _watch(read_fd: int, main_id: int) -> None:
     grace after a notice) and a pending exit after the saves under way."""
     blocked_at: tuple[int, int, str] | None = None  # where the main thread was when SIGINT came
     interrupt_until = None
+    interrupted_at = 0.0
     while True:
         timers = [t for t in (interrupt_until, _deadline()) if t is not None]
         wait = min(timers) - time.monotonic() if timers else None
@@ -297,11 +300,19 @@ def _watch(read_fd: int, main_id: int) -> None:
                 if signum == signal.SIGINT and interrupt_until is None:
                     blocked_at = _main_position(main_id)
                     interrupt_until = time.monotonic() + INTERRUPT_GRACE_S
+                    interrupted_at = time.monotonic()
         if _policy.leaving:
             _leave_if_done()
         if interrupt_until is not None:
-            if blocked_at is None or _main_position(main_id) != blocked_at:
-                interrupt_until = None  # the main thread moved: its KeyboardInterrupt runs, and decides
+            position = _main_position(main_id)
+            if blocked_at is None or position != blocked_at:
+                # The main thread moved: its KeyboardInterrupt runs, and decides. Watched a while longer all the
+                # same: a SIGINT that came just before the main thread entered native code (a collective) is taken
+                # only once that returns, so a stop there counts again from where it stopped.
+                if time.monotonic() - interrupted_at < INTERRUPT_WATCH_S:
+                    blocked_at, interrupt_until = position, time.monotonic() + INTERRUPT_GRACE_S
+                else:
+                    interrupt_until = None
             elif time.monotonic() >= interrupt_until:
                 _say(
                     f"fabriclite: SIGINT received, and this process stayed blocked for {INTERRUPT_GRACE_S:g} s in "
