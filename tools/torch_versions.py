@@ -42,12 +42,32 @@ def folder(pins: list[str]) -> Path:
     return ENVIRONMENTS / pins[0].replace("==", "-")
 
 
+def built_here(venv: Path) -> bool:
+    """Whether a folder is an environment this tool built: a virtual environment, or what a removal cut short by an
+    older version of this tool left of one (rmtree took pyvenv.cfg first, then bin/ and lib/pythonX.Y/ stayed)."""
+    return (venv / "pyvenv.cfg").exists() or (
+        (venv / "bin").is_dir() and any(venv.glob("lib/python3*/site-packages"))
+    )
+
+
 def remove(venv: Path) -> None:
-    """Delete an environment this tool built (a folder with a pyvenv.cfg); anything else there is left alone."""
-    if (venv / "pyvenv.cfg").exists():
-        shutil.rmtree(venv, ignore_errors=True)
-    elif venv.exists():
+    """Delete an environment this tool built; anything else there is left alone.
+
+    The folder is renamed out of the way in one step, then deleted: a run killed while deleting leaves a folder named
+    as trash (cleared by the next run), never half an environment under the version's name."""
+    if not venv.exists():
+        return
+    if not built_here(venv):
         raise RuntimeError(f"{venv} is in the way and was not built by this tool; move it, then run again.")
+    trash = venv.with_name(f".{venv.name}.removing-{os.getpid()}")
+    os.rename(venv, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clear_trash() -> None:
+    """Delete what removals killed part way left (see ``remove``)."""
+    for trash in ENVIRONMENTS.glob(".torch-*.removing-*") if ENVIRONMENTS.exists() else []:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _pip(python: Path, *args: str, log: Path) -> None:
@@ -133,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lines = [pins for pins in versions() if not args.only or pins[0].split("==")[1] in args.only]
     listed = {folder(pins).name for pins in versions()}
+    clear_trash()
     for stale in ENVIRONMENTS.glob("torch-*") if ENVIRONMENTS.exists() else []:  # versions no longer listed
-        if stale.name not in listed and (stale / "pyvenv.cfg").exists():
+        if stale.name not in listed and built_here(stale):
             remove(stale)
     if args.prepare:
         os.nice(10)  # beside the full suite: let it have the cores first
