@@ -1,4 +1,6 @@
 import os
+import signal
+import threading
 
 # The kernels run through Triton's interpreter on CPU tensors. Triton reads this when it is imported and when a
 # kernel is decorated, and torch.compile may import triton early, so it is set before any test module is imported.
@@ -7,6 +9,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # A shell starts a background job (`pytest ... &` in a script) with SIGINT ignored, and an ignored signal stays
+    # ignored in every process started from it: the tests that interrupt a run with SIGINT would wait for ever. A
+    # handler of Python's own here makes the processes this one starts (xdist's workers, then the tests' children)
+    # begin with SIGINT at its default, as from a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

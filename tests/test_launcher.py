@@ -60,6 +60,16 @@ def test_spawn_runs_the_function_in_new_processes_and_returns_rank_zeros_result(
     assert_passed(out, ["rank 0's result comes back", "this process stays outside the run"], ranks=("0",))
 
 
+def signal_masks(pid: int) -> str:
+    """A process's pending, blocked, ignored and caught signals as /proc shows them (hexadecimal masks, bit n-1 for
+    signal n: SIGINT is 0x2): why a signal sent to it did nothing."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return " ".join(line.split()[0] + line.split()[1] for line in status if line.startswith(("Sig", "ShdPnd")))
+    except OSError as error:
+        return f"gone ({error})"
+
+
 def interrupt_when_waiting(mode: str) -> tuple[int, str, list[int]]:
     """Start ``stalls.py mode`` (rank 1 hangs), SIGINT the process the user started once rank 0 waits for rank 1,
     and return its exit code, its output and the PIDs of its ranks."""
@@ -70,13 +80,15 @@ def interrupt_when_waiting(mode: str) -> tuple[int, str, list[int]]:
         child.send_signal(signal.SIGINT)
         try:
             rest, _ = child.communicate(timeout=90)
-        except subprocess.TimeoutExpired:  # every rank's threads' stacks (stalls.py's faulthandler), then fail
-            for pid in {child.pid, *map(int, re.findall(r"PID \d (\d+)", output))}:
+        except subprocess.TimeoutExpired:  # every rank's signal masks and threads' stacks (stalls.py), then fail
+            pids = {child.pid, *map(int, re.findall(r"PID \d (\d+)", output))}
+            masks = "".join(f"{pid}: {signal_masks(pid)}\n" for pid in pids)
+            for pid in pids:
                 os.kill(pid, signal.SIGUSR2)
             time.sleep(3)
             child.kill()
             rest, _ = child.communicate(timeout=30)
-            raise AssertionError(f"stalls.py {mode} did not end 90 s after SIGINT:\n{output}{rest}") from None
+            raise AssertionError(f"stalls.py {mode} did not end 90 s after SIGINT:\n{masks}{output}{rest}") from None
     finally:
         sigkill(child)
     output += rest
