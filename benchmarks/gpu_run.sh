@@ -5,7 +5,7 @@
 #
 #   | step         | limit | H200 11-27 | what, and its files in OUT                                                   |
 #   |--------------|-------|------------|------------------------------------------------------------------------------|
-#   | install      |   -   |    ~5 s    | pip install -e . offline: pip.log                                            |
+#   | install      |   -   |    ~5 s    | pip install -e . offline, and the wheels in .whl/ if any (gpu_wheels.sh): pip.log |
 #   | kernel-tests |  110  |    71 s    | tests/kernels compiled for the GPU (TRITON_INTERPRET=0): kernel-tests-compiled.log |
 #   | host-cost    |   25  |    16 s    | one kernel call's host cost next to torch's: host-cost.md                    |
 #   | models       |  120  |    85 s    | gpu_suite.py's models section: the kernels inside ViT-B/16 and the Llama GPT, eager and compiled: suite/models.csv (MEASURED_WINS in kernels/swap.py comes from it) |
@@ -70,8 +70,23 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit (never past t
 if [ "$smoke" != "--smoke" ]; then  # the GPU machine's python3 has torch and no network: install fabriclite alone
     python3 -m pip install -q --no-deps --no-build-isolation --break-system-packages -e . >"$out/pip.log" 2>&1 ||
         python3 -m pip install -q --no-deps -e . >>"$out/pip.log" 2>&1
+    # What the machine lacks travels as wheels in .whl/ (benchmarks/gpu_wheels.sh; the run carries .whl): torchao for
+    # the fp8 rows, Liger-Kernel for the kernels' peer column. Installed beside, not into, the machine's packages.
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$cache/site" \
+            .whl/*.whl >>"$out/pip.log" 2>&1 && export PYTHONPATH="$cache/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
 fi
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" | tee -a "$log"
+python3 - <<'EOF' | tee -a "$log"
+import importlib.metadata, torch, triton
+def version(name):
+    try:
+        return f"{name} {importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"no {name}"
+gpu = torch.cuda.is_available() and torch.cuda.get_device_name()
+print("torch", torch.__version__, "triton", triton.__version__, "cuda", gpu, version("torchao"), version("liger-kernel"))
+EOF
 raw_caches=(env TORCHINDUCTOR_CACHE_DIR="$cache/raw-inductor" TRITON_CACHE_DIR="$cache/raw-triton")
 if [ "$mode" = talk ] && [ "$smoke" = "--smoke" ]; then
     export CUDA_VISIBLE_DEVICES=""
