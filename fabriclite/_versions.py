@@ -430,7 +430,8 @@ class _Requirement:
 # The torchao releases whose float8 training goes with each torch, from torchao's own compatibility table (issue
 # pytorch/ao#2919, removed in torchao 0.17): 0.13 and 0.14.0 were built against torch 2.8, 0.14.1 and 0.15 against
 # 2.9, 0.16 against 2.10. From 0.17 on torchao builds on torch's stable ABI and needs torch >= 2.11. Checked here:
-# torchao 0.18.0 on torch 2.13 (CPU, emulated). (lowest, first too new) by torch (major, minor); None: no upper end.
+# torchao 0.18.0 on torch 2.13 and 0.17.0 on torch 2.11 (CPU, emulated: tests/plugins/test_fp8.py passes).
+# (lowest, first too new) by torch (major, minor); None: no upper end.
 TORCHAO_FOR_TORCH: dict[tuple[int, int], tuple[str, str | None]] = {
     (2, 8): ("0.13.0", "0.14.1"),
     (2, 9): ("0.14.1", "0.16.0"),
