@@ -77,9 +77,9 @@ def test_compile_under_ddp_compiles_each_block_in_place_without_graph_breaks_and
         ("kill-redirected", "process 1 was killed by SIGKILL; stopping the other processes"),
     ],
 )
-def test_a_failing_or_hanging_rank_stops_the_run_with_an_error_and_no_orphans(mode, message):
+def test_a_failing_or_hanging_rank_stops_the_run_with_an_error_and_no_orphans(mode, message, tmp_path):
     # A hang must end at the script's 3 s collective timeout, long before run_python's own timeout.
-    result = run_python(str(SCRIPTS / "ddp_failures.py"), mode, timeout=120, check=False)
+    result = run_python(str(SCRIPTS / "ddp_failures.py"), mode, timeout=120, check=False, TMPDIR=str(tmp_path))
     assert result.returncode != 0
     assert message in result.stderr
     assert "unreachable" not in result.stdout
@@ -87,6 +87,8 @@ def test_a_failing_or_hanging_rank_stops_the_run_with_an_error_and_no_orphans(mo
     assert len(pids) == 2, result.stdout
     # A killed rank may stay a zombie for a moment until it is reaped: only running processes are orphans.
     assert still_running(pids, within=30) == []
+    # The folder where the ranks recorded their exceptions goes with the run, however it ended.
+    assert list(tmp_path.glob("fabriclite-failures-*")) == []
 
 
 def test_ddp_spawn_runs_the_function_and_returns_rank_zeros_result(tmp_path):

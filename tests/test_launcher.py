@@ -70,10 +70,11 @@ def signal_masks(pid: int) -> str:
         return f"gone ({error})"
 
 
-def interrupt_when_waiting(mode: str) -> tuple[int, str, list[int]]:
+def interrupt_when_waiting(mode: str, tmp_path) -> tuple[int, str, list[int]]:
     """Start ``stalls.py mode`` (rank 1 hangs), SIGINT the process the user started once rank 0 waits for rank 1,
-    and return its exit code, its output and the PIDs of its ranks."""
-    child = start_python(str(SCRIPTS / "stalls.py"), mode)
+    and return its exit code, its output and the PIDs of its ranks. Fails if the run leaves a folder of its own in
+    ``tmp_path`` (its TMPDIR)."""
+    child = start_python(str(SCRIPTS / "stalls.py"), mode, TMPDIR=str(tmp_path))
     try:
         output = read_until(child, "WAITING 0", timeout=150)
         time.sleep(1)  # rank 0 is now inside the collective
@@ -92,18 +93,19 @@ def interrupt_when_waiting(mode: str) -> tuple[int, str, list[int]]:
     finally:
         sigkill(child)
     output += rest
+    assert list(tmp_path.glob("fabriclite-*")) == [], "the run left its failure records behind"
     return child.returncode, output, [int(pid) for pid in re.findall(r"PID \d (\d+)", output)]
 
 
-def test_sigint_ends_every_rank_even_one_blocked_in_a_collective_and_exits_130():
-    code, output, pids = interrupt_when_waiting("deaf")  # rank 1 ignores SIGINT: it has to be stopped
+def test_sigint_ends_every_rank_even_one_blocked_in_a_collective_and_exits_130(tmp_path):
+    code, output, pids = interrupt_when_waiting("deaf", tmp_path)  # rank 1 ignores SIGINT: it has to be stopped
     assert code == 128 + signal.SIGINT, output[-3000:]
     assert "SIGINT received, and this process stayed blocked for 10 s in Fabric.backward, called at" in output
     assert len(pids) == 2 and still_running(pids, within=30) == []
 
 
-def test_sigint_to_a_ddp_spawn_parent_stops_the_processes_it_started():
-    code, output, pids = interrupt_when_waiting("spawn_hang")
+def test_sigint_to_a_ddp_spawn_parent_stops_the_processes_it_started(tmp_path):
+    code, output, pids = interrupt_when_waiting("spawn_hang", tmp_path)
     assert code in (-signal.SIGINT, 128 + signal.SIGINT), output[-3000:]
     assert "KeyboardInterrupt" in output
     assert len(pids) == 2 and still_running(pids, within=30) == []
@@ -129,8 +131,8 @@ def test_forking_is_refused_once_cuda_is_initialised(monkeypatch):
         MultiprocessingLauncher(2, "fork").launch(print)
 
 
-def test_sigint_to_a_ddp_notebook_parent_stops_the_processes_it_forked():
-    code, output, pids = interrupt_when_waiting("fork_hang")
+def test_sigint_to_a_ddp_notebook_parent_stops_the_processes_it_forked(tmp_path):
+    code, output, pids = interrupt_when_waiting("fork_hang", tmp_path)
     assert code in (-signal.SIGINT, 128 + signal.SIGINT), output[-3000:]
     assert len(pids) == 2 and still_running(pids, within=30) == []
 

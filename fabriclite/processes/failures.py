@@ -12,23 +12,53 @@ each worker writes, and names the earliest failure the root cause).
   rank raises it, which one comes first may change) with the same exception and message, from the same checkpoint:
   restarting would only do it again (a failure alternating with another, A, B, A, is caught at its second A).
 
+The records live in a private temporary folder (``records_folder``) that goes with the process that made it, also
+when that process ends at once from a watching thread (``exit_now``).
+
 Usage: ``record(checkpointer.last_sequence)`` in a rank; ``first([read(path, rank, code), ...])`` in the
 supervisor.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, NoReturn
 
 FAILURE_FILE_ENV = "FABRICLITE_FAILURE_FILE"  # where a rank writes the exception that ended it
 _MESSAGE_CHARS = 4000  # enough to tell two exceptions apart; a traceback is printed in full anyway
+_folders: list[str] = []  # the record folders this process made (``records_folder``)
+
+
+def records_folder() -> str:
+    """A new private folder (mode 700) for the records of the ranks this process starts, deleted when this process
+    ends: at exit (registered now, so it runs after the exit handlers registered later) or by ``exit_now``.
+
+    Usage: ``folder = records_folder()``, then each rank's ``FAILURE_FILE_ENV`` names a file in it.
+    """
+    folder = tempfile.mkdtemp(prefix="fabriclite-failures-")
+    _folders.append(folder)
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process at once with ``code``, from any thread (``os._exit``: no exit handlers, no waiting for
+    threads stuck in native code), after deleting the record folders, which the exit handlers would have.
+
+    Usage: ``exit_now(130)``.
+    """
+    for folder in _folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    os._exit(code)
 
 
 class Failure(NamedTuple):

@@ -23,17 +23,15 @@ import atexit
 import inspect
 import os
 import pickle
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Callable
 
 from fabriclite.processes import signals
-from fabriclite.processes.failures import FAILURE_FILE_ENV, Failure, how_it_ended
+from fabriclite.processes.failures import FAILURE_FILE_ENV, Failure, exit_now, how_it_ended, records_folder
 from fabriclite.processes.failures import read as read_failure
 from fabriclite.plugins.environments import free_port
 from fabriclite.processes.supervisor import (  # what every way of starting processes shares
@@ -146,8 +144,7 @@ class SubprocessLauncher:
     def _start(self) -> None:
         command = _script_command() if self.processes > 1 else []  # one process runs the script it is in
         port = free_port()
-        self._records = tempfile.mkdtemp(prefix="fabriclite-failures-")
-        atexit.register(shutil.rmtree, self._records, True)  # after _wait_for_children, registered later
+        self._records = records_folder()  # deleted at exit after _wait_for_children, which is registered later
         for rank in range(1, self.processes):
             env = {
                 **os.environ,
@@ -185,7 +182,7 @@ class SubprocessLauncher:
                         if self._failing:
                             return  # the main thread's error handler stops the others and shows its own error
                     self.kill_children()
-                    os._exit(_exit_code(code))
+                    exit_now(_exit_code(code))
             if all(child.poll() in _ENDED for child in self.children):
                 return
             time.sleep(0.2)
@@ -239,7 +236,7 @@ class SubprocessLauncher:
             code = child.wait()
             if code not in _ENDED and not self._killing:  # those this process stopped itself: its own error is the news
                 self._report(child, code, "this run failed")
-                os._exit(_exit_code(code))
+                exit_now(_exit_code(code))
 
 
 def _returncode(child: subprocess.Popen) -> int | None:

@@ -43,6 +43,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from fabriclite.processes.failures import exit_now
+
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
 SAME_NOTICE_S = 2.0
@@ -175,7 +177,7 @@ def _event(signum: int) -> bool:
     elif action == "hard":
         _say(f"fabriclite: rank {rank} received {name} a third time; ending it at once (exit code {128 + signum}).")
         _kill_children()
-        os._exit(128 + signum)  # as a shell reports the signal's default action; this may not be the main thread
+        exit_now(128 + signum)  # as a shell reports the signal's default action; this may not be the main thread
     return _policy.leaving
 
 
@@ -200,7 +202,7 @@ def _leave_if_done() -> bool:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(PREEMPTED_EXIT_CODE)
+    exit_now(PREEMPTED_EXIT_CODE)
 
 
 def _end_as_preempted() -> None:
@@ -320,7 +322,7 @@ def _watch(read_fd: int, main_id: int) -> None:
                     f"stop it; exiting with code {128 + signal.SIGINT}."
                 )
                 _kill_children()
-                os._exit(128 + signal.SIGINT)
+                exit_now(128 + signal.SIGINT)
         left = _policy.grace_left()
         if left is not None and left <= 0:
             notice = _policy.notice or signal.SIGTERM
@@ -329,7 +331,7 @@ def _watch(read_fd: int, main_id: int) -> None:
                 f"(exit code {128 + notice})."
             )
             _kill_children()
-            os._exit(128 + notice)
+            exit_now(128 + notice)
 
 
 def _deadline() -> float | None:
