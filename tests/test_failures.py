@@ -54,3 +54,23 @@ def test_a_failure_repeats_only_with_the_same_error_on_a_rank_that_had_it_from_t
     assert not repeats(Failure(2, 1, "ValueError: x", 50.0, 4), last)
     assert not repeats(Failure(1, -9, None, None, None), [Failure(1, -9)])  # a signal says nothing of its cause
     assert not repeats(Failure(1, 1, "ValueError: x", 50.0, 4), [])  # the first failure is always restarted
+
+
+EXIT_NOW = """
+import os
+from fabriclite.processes import failures
+folder = failures.records_folder()
+open(os.path.join(folder, "1.json"), "w").write("{}")
+pid = os.fork()
+if pid == 0:  # a forked child (a DataLoader worker) ending at once leaves its parent's folder alone
+    failures.exit_now(3)
+print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), "folder kept", os.path.isdir(folder), flush=True)
+failures.exit_now(4)  # no exit handlers run: exit_now deletes the folder itself
+"""
+
+
+def test_exit_now_deletes_the_records_folder_its_process_made_and_a_forked_child_leaves_it(tmp_path):
+    result = run_python("-c", EXIT_NOW, timeout=60, check=False, TMPDIR=str(tmp_path))
+    assert result.returncode == 4, result.stderr
+    assert "child 3 folder kept True" in result.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -36,6 +36,7 @@ from typing import Any, Callable, NamedTuple, NoReturn
 FAILURE_FILE_ENV = "FABRICLITE_FAILURE_FILE"  # where a rank writes the exception that ended it
 _MESSAGE_CHARS = 4000  # enough to tell two exceptions apart; a traceback is printed in full anyway
 _folders: list[str] = []  # the record folders this process made (``records_folder``)
+os.register_at_fork(after_in_child=_folders.clear)  # a forked child (a DataLoader worker) does not own them
 
 
 def records_folder() -> str:
