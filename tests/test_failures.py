@@ -3,6 +3,9 @@ when, and from which checkpoint; which rank failed first; whether a failure is a
 supervisor acting on it, with real ranks, is in test_long_runs.py."""
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 
 from helpers import run_python
@@ -74,3 +77,19 @@ def test_exit_now_deletes_the_records_folder_its_process_made_and_a_forked_child
     assert result.returncode == 4, result.stderr
     assert "child 3 folder kept True" in result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_deletes_the_record_folders_that_processes_killed_outright_left_and_no_others(tmp_path):
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"fabriclite-failures-{int(ended.stdout)}-abc123"  # a SIGKILLed launcher's, say
+    living = tmp_path / f"fabriclite-failures-{os.getpid()}-def456"  # a run still going
+    older = tmp_path / "fabriclite-failures-x1y2z3"  # a name without a PID: not known to be stale
+    for folder in (dead, living, older):
+        folder.mkdir()
+        (folder / "1.json").write_text("{}")
+    code = "from fabriclite.processes import failures; print(failures.records_folder())"
+    made = run_python("-c", code, timeout=60, TMPDIR=str(tmp_path)).stdout.strip()
+    assert os.path.basename(made).startswith("fabriclite-failures-")
+    assert not dead.exists()
+    assert (living / "1.json").exists() and (older / "1.json").exists()
+    assert not os.path.exists(made)  # and the new one went with the process that made it

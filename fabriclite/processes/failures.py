@@ -39,16 +39,50 @@ _folders: list[str] = []  # the record folders this process made (``records_fold
 os.register_at_fork(after_in_child=_folders.clear)  # a forked child (a DataLoader worker) does not own them
 
 
+_FOLDER_PREFIX = "fabriclite-failures-"
+
+
 def records_folder() -> str:
     """A new private folder (mode 700) for the records of the ranks this process starts, deleted when this process
-    ends: at exit (registered now, so it runs after the exit handlers registered later) or by ``exit_now``.
+    ends: at exit (registered now, so it runs after the exit handlers registered later) or by ``exit_now``. Its name
+    holds this process's PID: a process killed outright (SIGKILL, the OOM killer) cannot delete it, and the next
+    run's call deletes it then (``_sweep``).
 
     Usage: ``folder = records_folder()``, then each rank's ``FAILURE_FILE_ENV`` names a file in it.
     """
-    folder = tempfile.mkdtemp(prefix="fabriclite-failures-")
+    _sweep()
+    folder = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")
     _folders.append(folder)
     atexit.register(shutil.rmtree, folder, True)
     return folder
+
+
+def _sweep() -> None:
+    # The record folders, this user's, of processes that no longer run.
+    root = tempfile.gettempdir()
+    try:
+        names = [name for name in os.listdir(root) if name.startswith(_FOLDER_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_FOLDER_PREFIX) :].split("-", 1)[0]
+        path = os.path.join(root, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _running(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def exit_now(code: int) -> NoReturn:

@@ -29,12 +29,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 from fabriclite.plugins.environments import free_port
-from fabriclite.processes.failures import FAILURE_FILE_ENV, Failure, first, how_it_ended, read, repeats
+from fabriclite.processes.failures import FAILURE_FILE_ENV, Failure, first, how_it_ended, read, records_folder, repeats
 from fabriclite.processes import signals
 from fabriclite.processes.nodes import NodeGroup, NodeGroupError
 from fabriclite.processes.signals import GRACE_S, NOTICES as SIGNALS, PREEMPTED_EXIT_CODE, SAME_NOTICE_S, requeue
@@ -132,7 +131,7 @@ class Supervisor:
         signals.uninstall()  # a rank's policy (this process made a Fabric before?) must not take the notices too
         previous = {signum: signal.signal(signum, self._on_signal) for signum in _FORWARDED}
         code, alone = 1, None  # alone: why this node ended the run without the others, if it did
-        self._records = tempfile.mkdtemp(prefix="fabriclite-failures-")
+        self._records = records_folder()
         try:
             if self.nodes:
                 self.nodes.join()
