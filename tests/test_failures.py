@@ -80,7 +80,9 @@ def test_exit_now_deletes_the_records_folder_its_process_made_and_a_forked_child
 
 
 def test_a_run_deletes_the_record_folders_that_processes_killed_outright_left_and_no_others(tmp_path):
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=60
+    )
     dead = tmp_path / f"fabriclite-failures-{int(ended.stdout)}-abc123"  # a SIGKILLed launcher's, say
     living = tmp_path / f"fabriclite-failures-{os.getpid()}-def456"  # a run still going
     older = tmp_path / "fabriclite-failures-x1y2z3"  # a name without a PID: not known to be stale

@@ -65,7 +65,7 @@ def signal_masks(pid: int) -> str:
     signal n: SIGINT is 0x2): why a signal sent to it did nothing."""
     try:
         with open(f"/proc/{pid}/status") as status:
-            return " ".join(line.split()[0] + line.split()[1] for line in status if line.startswith(("Sig", "ShdPnd")))
+            return " ".join("".join(line.split()[:2]) for line in status if line.startswith(("Sig", "ShdPnd")))
     except OSError as error:
         return f"gone ({error})"
 

@@ -29,6 +29,7 @@ from fabriclite.checkpoint.errors import (
     save_failure,
 )
 from fabriclite.checkpoint.integrity import MANIFEST_FILE, fill_in_crcs, read_manifest, verify_file
+from fabriclite.processes.failures import process_running
 
 
 # The name of a save in progress: beside its target, hidden, saying which process on which machine writes it, and,
@@ -74,7 +75,7 @@ def remove_stale_partials(target: Path, series: tuple[str, int] | None = None) -
         writer = _writer(entry.name)
         if writer is None:
             continue
-        dead_here = writer["host"] == _HOST and not _running(int(writer["pid"]))
+        dead_here = writer["host"] == _HOST and not process_running(int(writer["pid"]))
         earlier = series is not None and writer["run"] == series[0] and int(writer["sequence"]) <= series[1]
         if dead_here or earlier:
             remove(entry)
@@ -88,16 +89,6 @@ def _writer(name: str) -> re.Match | None:
         return None
     writers = [_WRITER.fullmatch(part) for part in rest.split(".tmp-")]
     return writers[0] if all(writers) else None
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 # What is at a checkpoint path before a save: only a checkpoint fabriclite writes may be replaced, never a user's file.

@@ -68,14 +68,18 @@ def _sweep() -> None:
         pid = name[len(_FOLDER_PREFIX) :].split("-", 1)[0]
         path = os.path.join(root, name)
         try:
-            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _running(int(pid)):
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or process_running(int(pid)):
                 continue
         except OSError:
             continue
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether a process of this machine with this PID runs (any user's; a zombie counts until it is reaped).
+
+    Usage: ``process_running(int(pid_in_a_file_name))``.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
