@@ -140,23 +140,34 @@ def record(progress: Callable[[], int]) -> None:
     """Write the exception that ends this process to ``FAILURE_FILE_ENV``'s file, with ``progress()`` (the number of
     the run's last checkpoint), if a supervisor asked for it. Once per process; a later call only replaces
     ``progress``. Usage: at ``Fabric`` creation."""
-    if not _progress:
+    global _hooked
+    if not _hooked:
+        _hooked = True
         # Taken out of the environment: a process this one starts (a script of its own) must not write here.
         path = os.environ.pop(FAILURE_FILE_ENV, "")
-        if not path:
-            return
-        previous = sys.excepthook
+        if path:
+            previous = sys.excepthook
 
-        def write_then_report(kind: type, error: BaseException, traceback: Any) -> None:
-            try:
-                progress = _progress[-1]()
-                _write(path, kind, error, progress() if progress is not None else 0)
-            except Exception:  # the report of the failure must never hide the failure itself
-                pass
-            previous(kind, error, traceback)
+            def write_then_report(kind: type, error: BaseException, traceback: Any) -> None:
+                try:
+                    _write(path, kind, error, current_progress())
+                except Exception:  # the report of the failure must never hide the failure itself
+                    pass
+                previous(kind, error, traceback)
 
-        sys.excepthook = write_then_report
+            sys.excepthook = write_then_report
     _progress[:] = [weakref.WeakMethod(progress) if hasattr(progress, "__self__") else lambda: progress]
+
+
+_hooked = False
+
+
+def current_progress() -> int:
+    """The number of the run's last checkpoint this process saved or loaded (0: none, or no ``Fabric`` yet).
+
+    Usage: ``{"progress": current_progress()}`` in a failure's record."""
+    progress = _progress[-1]() if _progress else None
+    return progress() if progress is not None else 0
 
 
 def _write(path: str, kind: type, error: BaseException, progress: int) -> None:

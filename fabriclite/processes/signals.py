@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from fabriclite.processes.failures import exit_now
 
@@ -65,6 +65,9 @@ class _Policy:
         self.notices = 0  # notices counted (one come twice counts once)
         self.leaving = False  # a second notice came: exit once no save is under way
         self.saves = 0
+        # Asked at a SIGTERM: why it is a launcher stopping the group after a failure (then no notice), or None.
+        self.stop_reason: Callable[[], str | None] | None = None
+        self.stop_code: int | None = None  # set when this process leaves stopped, not preempted
         self.lock = threading.Lock()
 
     def on_notice(self, signum: int) -> str:
@@ -124,6 +127,14 @@ def uninstall() -> None:
     _children.clear()
 
 
+def explain_stop(reason: Callable[[], str | None]) -> None:
+    """Ask ``reason()`` at the first SIGTERM whether it is the launcher stopping this group after another rank
+    failed (torchrun does so with SIGTERM): a text saying why ends this process after the saves under way, with
+    code 143 and no requeue; None keeps it a preemption notice. Usage: ``explain_stop(generation.stopped_after_failure)``.
+    """
+    _policy.stop_reason = reason
+
+
 def noticed() -> int | None:
     """The first notice this process received (``signal.SIGTERM`` or ``SIGUSR1``), or None."""
     return _policy.notice
@@ -162,8 +173,17 @@ def _event(signum: int) -> bool:
     _pass_on(signum)
     if signum not in NOTICES:
         return _policy.leaving
-    action = _policy.on_notice(signum)
     name, rank = signal.Signals(signum).name, _policy.rank
+    why = _policy.stop_reason() if signum == signal.SIGTERM and _policy.stop_reason and not _policy.notice else None
+    if why:
+        _say(
+            f"fabriclite: rank {rank} received {name} after {why}: the launcher is stopping the group, which is no "
+            f"preemption; exiting without a save (exit code {128 + signum})."
+        )
+        with _policy.lock:
+            _policy.leaving, _policy.stop_code = True, 128 + signum
+        return True
+    action = _policy.on_notice(signum)
     if action == "note":
         _say(
             f"fabriclite: rank {rank} received {name}; fabric.preempted becomes True on every rank within two reads "
@@ -196,13 +216,14 @@ def _leave_if_done() -> bool:
     # this process, so let them finish first (within the grace period).
     while _running_children() and (_policy.grace_left() or 0) > 0:
         time.sleep(0.1)
-    _end_as_preempted()
+    if _policy.stop_code is None:
+        _end_as_preempted()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    exit_now(PREEMPTED_EXIT_CODE)
+    exit_now(PREEMPTED_EXIT_CODE if _policy.stop_code is None else _policy.stop_code)
 
 
 def _end_as_preempted() -> None:
@@ -212,8 +233,12 @@ def _end_as_preempted() -> None:
         requeue(say=_say)
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
+    """Write one line to standard error from any thread, even while the main thread is inside a print."""
     os.write(2, f"{message}\n".encode())  # not print(): the main thread may be inside a print right now
+
+
+_say = say
 
 
 # ---------------------------------------------------------------------- SLURM

@@ -123,6 +123,7 @@ class StallWatchdog:
         world_size: int,
         stall_timeout: float,
         collective_timeout: timedelta | None = None,
+        prefix: str = "",
         thread_id: int | None = None,
     ) -> None:
         self.rank = rank
@@ -130,6 +131,7 @@ class StallWatchdog:
         self.stall_timeout = stall_timeout
         self.collective_timeout = collective_timeout
         self.thread_id = thread_id if thread_id is not None else threading.get_ident()
+        self.prefix = prefix  # the group's part of a store that outlives it (torchrun's agent store)
         self.publish_every = min(5.0, max(0.5, stall_timeout / 4))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,7 +139,7 @@ class StallWatchdog:
 
     def start(self) -> bool:
         """Connect to the store and start the thread; False (and nothing runs) when the store cannot be reached."""
-        self._store = _connect_store()
+        self._store = _connect_store(self.prefix)
         if self._store is None:
             return False
         self._places = Places()
@@ -261,9 +263,9 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
-def _connect_store() -> Any:
+def _connect_store(prefix: str = "") -> Any:
     """A client connection of our own to the store at MASTER_ADDR:MASTER_PORT (the main thread may be blocked in
-    a call on the process group's own), or None when there is none."""
+    a call on the process group's own), under ``prefix``, or None when there is none."""
     import torch.distributed as dist
 
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -273,7 +275,7 @@ def _connect_store() -> Any:
         store = dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=_STORE_TIMEOUT_S))
     except (RuntimeError, ValueError, OSError):
         return None
-    return dist.PrefixStore(f"fabriclite-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/", store)
+    return dist.PrefixStore(f"{prefix}fabriclite-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/", store)
 
 
 @contextmanager

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from fabriclite import collectives
-from fabriclite.processes import preemption, signals
+from fabriclite.processes import preemption, signals, torchelastic
 from fabriclite.accelerators import Accelerator
 from fabriclite.checkpoint import CheckpointIO
 from fabriclite.data import distributed_loader
@@ -156,6 +156,7 @@ class ParallelStrategy(Strategy):
         if self.environment is not None:  # e.g. SLURM names the main node but sets no MASTER_* variables
             os.environ.setdefault("MASTER_ADDR", self.environment.main_address)
             os.environ.setdefault("MASTER_PORT", str(self.environment.main_port))
+        torchelastic.die_with_agent()  # under `fabriclite run --num-nodes`: its agent started this rank
         signals.install(self.global_rank)  # done at Fabric creation; this names the rank in what it says
         signals.forward_to(getattr(self.launcher, "children", []))
         with saying_who_has_not_joined(self.environment, self.stall_timeout):
@@ -165,14 +166,21 @@ class ParallelStrategy(Strategy):
             store, rank, world_size = next(
                 dist.rendezvous("env://", rank=self.global_rank, world_size=self.world_size, timeout=join_timeout)
             )
+            generation = None
+            if torchelastic.uses_agent_store():  # torchrun's store outlives a restarted group: a fresh part of it
+                generation = torchelastic.join(store, rank, world_size, join_timeout)
+                store = generation.store
             log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
         rank_zero_info(  # Lightning's words
             f"{'-' * 100}\ndistributed_backend={backend}\n"
             f"All distributed processes registered. Starting with {world_size} processes\n{'-' * 100}\n"
         )
+        if generation is not None:
+            generation.watch()
         if self.stall_timeout is not None and self.world_size > 1:
-            self.watchdog = StallWatchdog(self.global_rank, self.world_size, self.stall_timeout, self.timeout)
+            prefix = generation.prefix if generation is not None else ""
+            self.watchdog = StallWatchdog(self.global_rank, self.world_size, self.stall_timeout, self.timeout, prefix)
             self.watchdog.start()
         # A gloo group still alive when the interpreter exits can abort the process (SIGABRT): close it first.
         atexit.register(self.teardown)

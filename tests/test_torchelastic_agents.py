@@ -1,0 +1,57 @@
+"""Two torchrun agents on loopback, as two machines run them (static and c10d rendezvous): a rank failing once on
+one node restarts the group on both, which reconnects, resumes and finishes, every time. Each agent is a real
+`python -m torch.distributed.run` process with one worker.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fabriclite.plugins.environments import free_port
+from helpers import run_python
+from test_torchelastic import RUNS, SCRIPT, TIMEOUT, check_resumed_and_finished, run_one_agent
+
+
+def run_two_agents(rendezvous: str, folder) -> list[str]:
+    """Both agents of one run, started together; their outputs."""
+    port = free_port()
+    outputs = ["", ""]
+
+    def agent(node: int) -> None:
+        if rendezvous == "c10d":
+            where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        else:
+            where = ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        result = run_python(
+            "-m", "torch.distributed.run", "--max-restarts", "2", "--nnodes", "2", "--nproc-per-node", "1", *where,
+            SCRIPT, str(folder), "1", "2", timeout=TIMEOUT,
+        )  # fmt: skip
+        outputs[node] = result.stdout + result.stderr
+
+    threads = [threading.Thread(target=agent, args=(node,)) for node in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT + 30)
+    assert all(outputs), "an agent failed:\n" + "\n".join(outputs)[-4000:]
+    return outputs
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_a_rank_failing_once_under_two_torchrun_agents_restarts_both_and_finishes_every_time(tmp_path, rendezvous):
+    for run in range(RUNS):
+        folder = tmp_path / str(run)
+        folder.mkdir()
+        check_resumed_and_finished("\n".join(run_two_agents(rendezvous, folder)))
+
+
+@pytest.mark.torch_versions
+@pytest.mark.parametrize("agents", ["standalone", "c10d-two-agents"])
+def test_on_each_supported_torch_a_restarted_torchrun_group_reconnects_resumes_and_finishes(tmp_path, agents):
+    # One run each, on every torch CI runs: the rendezvous code differs between versions (5 runs each above).
+    if agents == "standalone":
+        run_one_agent("standalone", tmp_path)
+    else:
+        check_resumed_and_finished("\n".join(run_two_agents("c10d", tmp_path)))
