@@ -30,7 +30,7 @@ RUN_SETTINGS: dict[str, str] = {
     "main_address": "Address of the node with rank 0, which every node can reach. Required with --num-nodes > 1; "
     "a single node uses a local rendezvous on a free port when neither this nor --main-port is given.",
     "main_port": "Port on the main node (default with several nodes: 29500, torchrun's default). With several "
-    "nodes, node 0's `fabriclite run` listens on it; the processes meet on a fresh port for every (re)start.",
+    "nodes, node 0's `fabriclite run` hosts torch's c10d rendezvous on it.",
     "precision": "Precision for the script's Fabric(), e.g. 32-true, bf16-mixed, 16-mixed, bf16-true, fp8-mixed "
     "(default: Fabric's own, 32-true).",
     "state_dict_type": "Checkpoint format under --strategy fsdp (or a ModelParallelStrategy): sharded, a folder "
@@ -38,8 +38,8 @@ RUN_SETTINGS: dict[str, str] = {
     "default: the strategy's own, sharded).",
     "max_restarts": "How often every process is started again after one died, before giving up (default: 0). The "
     "script resumes with fabric.load_latest(folder, state).",
-    "node_timeout": "Seconds a node's `fabriclite run` may stay silent before the other nodes take it for lost and "
-    "stop the run (default: 60; only with --num-nodes > 1).",
+    "node_timeout": "Seconds the nodes wait for each other to join, at the start and after a restart: a node lost "
+    "for that long ends the run (torch's rendezvous join timeout; default: 600; only with --num-nodes > 1).",
 }
 _INT_SETTINGS = ("num_nodes", "node_rank", "main_port", "max_restarts", "node_timeout")
 _STR_SETTINGS = ("accelerator", "strategy", "main_address", "state_dict_type")
@@ -54,11 +54,11 @@ error naming both.
 
 Options go before the script; everything after the script is passed to it unchanged.
 
-`fabriclite run` starts and watches the processes of its machine itself; across machines, the `fabriclite run` of
-every node keeps in step with node 0's. When one process fails, every process on every node is stopped and, with
---max-restarts N, all start again (up to N times); then every `fabriclite run` exits with the failed process's exit
-code (128 + N when it died of signal N). A node whose `fabriclite run` stops answering for 60 s (--node-timeout)
-ends the run.
+`fabriclite run` starts and watches the processes of its machine itself; across machines, every node runs torch's
+elastic agent (torchrun's) with the c10d rendezvous that node 0 hosts on --main-port. When one process fails, every
+process on every node is stopped and, with --max-restarts N, all start again (up to N times); then every
+`fabriclite run` exits with the failed process's exit code (128 + N when it died of signal N). A node lost for 600 s
+(--node-timeout) ends the run.
 SIGTERM or SIGUSR1 (a preemption notice) reaches every process and sets fabric.preempted; once they saved and
 exited, `fabriclite run` exits with 75 ("preempted, resumable"), or requeues the SLURM job where allowed.
 
@@ -255,25 +255,24 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
         del os.environ[name]  # a run inside a run must not inherit the outer run's settings
     os.environ.update(fabric_environment(settings))
-    from fabriclite.processes.nodes import NODE_TIMEOUT_S, NodeGroup
-    from fabriclite.processes.supervisor import Supervisor
-
     command = [sys.executable, args.script, *args.script_args]
     address, port = settings.get("main_address", "127.0.0.1"), settings.get("main_port")
-    nodes = None
-    if settings.get("num_nodes", 1) > 1:  # one supervisor per node; node 0's hosts their store on the main port
-        nodes = NodeGroup(
+    if settings.get("num_nodes", 1) > 1:  # torch's elastic agent on every node; node 0 hosts the rendezvous
+        from fabriclite.processes.nodes import JOIN_TIMEOUT_S, NodeRun
+
+        return NodeRun(
+            command,
+            processes,
             settings["num_nodes"],
             settings.get("node_rank", 0),
             address,
             port or _DEFAULT_MULTI_NODE_PORT,
-            processes,
-            timeout=settings.get("node_timeout", NODE_TIMEOUT_S),
-        )
-        port = None
-    return Supervisor(
-        command, processes, settings.get("max_restarts", 0), port=port, address=address, nodes=nodes
-    ).run()
+            max_restarts=settings.get("max_restarts", 0),
+            join_timeout=settings.get("node_timeout", JOIN_TIMEOUT_S),
+        ).run()
+    from fabriclite.processes.supervisor import Supervisor
+
+    return Supervisor(command, processes, settings.get("max_restarts", 0), port=port, address=address).run()
 
 
 def _consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -1,10 +1,15 @@
-"""Long runs across nodes, for real: two `fabriclite run` on loopback, one process each, node 0 hosting the store.
-A rank killed on either node restarts every node and the run ends bit-identical to one never interrupted; a lost
-node supervisor stops the other with no rank left behind; a preemption notice to any node ends every node
-preempted, and the same commands resume it. (How the supervisors keep in step, without training: test_nodes.py.)"""
+"""Long runs across nodes, for real: two `fabriclite run --num-nodes 2` on loopback (torch's elastic agent on each,
+node 0 hosting the c10d rendezvous), one process each. A rank killed on either node restarts every node and the run
+ends bit-identical to one never interrupted; a lost node's `fabriclite run` ends the other with no rank left
+behind; a preemption notice to any node ends every node preempted, and the same commands resume it; a failure that
+repeats is not restarted. (Without training: test_nodes.py.)
+
+torch's rendezvous orders the nodes its own way, so which node runs global rank 0 is its choice: the tests read both
+nodes' output together."""
 
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -12,11 +17,10 @@ import torch
 from helpers import (
     LONG_RUN_SCRIPT,
     LONG_RUN_TIMEOUT,
+    SCRIPTS,
     assert_same_weights,
-    finish,
     kill_rank,
     pids,
-    read_until,
     sigkill,
     start_python,
     still_running,
@@ -29,133 +33,178 @@ SCRIPT = LONG_RUN_SCRIPT
 TIMEOUT = LONG_RUN_TIMEOUT
 
 
-def node_args(node, port, folder, out, *flags, restarts=0, strategy="ddp", launcher=()):
-    """One node's `fabriclite run` of a two-node run with one process per node; node 0 hosts the store on ``port``.
-    ``flags`` go to the script, ``launcher`` to `fabriclite run`."""
-    return [
-        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "1", "--strategy", strategy,
-        "--num-nodes", "2", "--node-rank", str(node), "--main-address", "127.0.0.1", "--main-port", str(port),
-        "--max-restarts", str(restarts), *launcher, SCRIPT, str(folder), "--out", str(out), *flags,
-    ]  # fmt: skip
+class TwoNodes:
+    """Both nodes' `fabriclite run` of ``script`` (default: long_run.py) with one process each; their output is read
+    as it comes, so the test can wait for a line from either node."""
 
+    def __init__(
+        self, tmp_path, name, *flags, restarts=0, strategy="ddp", port=None, launcher=(), script=SCRIPT, mode=()
+    ):
+        port = port or free_port()
+        self.folder, self.out = tmp_path / name, tmp_path / f"{name}.pt"
+        args = [
+            [
+                "-m",
+                "fabriclite.cli",
+                "run",
+                "--accelerator",
+                "cpu",
+                "--devices",
+                "1",
+                "--strategy",
+                strategy,
+                "--num-nodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--main-address",
+                "127.0.0.1",
+                "--main-port",
+                str(port),
+                "--max-restarts",
+                str(restarts),
+                *launcher,
+                script,
+                *mode,
+                str(self.folder),
+                *flags,
+            ]  # fmt: skip
+            for node in (0, 1)
+        ]
+        if script == SCRIPT:
+            args = [[*node, "--out", str(self.out)] for node in args]
+        self.nodes = [start_python(*node) for node in args]
+        self.outputs = ["", ""]
+        self.readers = [threading.Thread(target=self._read, args=(node,), daemon=True) for node in (0, 1)]
+        for reader in self.readers:
+            reader.start()
 
-def two_nodes(tmp_path, name, *flags, restarts=0, at=None, act=None, strategy="ddp", port=None, launcher=()):
-    """Run both nodes (checkpoints in the folder ``name``, weights in ``name``.pt; node 0's store on ``port``, else
-    a free one); with ``at``, wait for node 0's output line ``at`` and call ``act(supervisors, ranks)`` (``ranks``:
-    global rank -> PID). Return both exit codes, both outputs and ``ranks``."""
-    port = port or free_port()
-    folder, out = tmp_path / name, tmp_path / f"{name}.pt"
-    args = [
-        node_args(node, port, folder, out, *flags, restarts=restarts, strategy=strategy, launcher=launcher)
-        for node in (0, 1)
-    ]
-    nodes = [start_python(*args[node]) for node in (0, 1)]
-    try:
-        before, ranks = ["", ""], {}
-        if at is not None:
-            before[1] = read_until(nodes[1], "pid 1 ", timeout=TIMEOUT)
-            before[0] = read_until(nodes[0], at, timeout=TIMEOUT)
-            ranks = {**pids(before[0]), **pids(before[1])}
-            act(nodes, ranks)
-        outputs = [before[node] + finish(nodes[node]) for node in (0, 1)]
-    finally:
-        for node in nodes:
-            sigkill(node)
-    return [node.returncode for node in nodes], outputs, ranks
+    def _read(self, node):
+        for line in self.nodes[node].stdout:
+            self.outputs[node] += line
+
+    def wait_for(self, pattern, count=1):
+        """Wait until ``count`` lines from either node match ``pattern``; return rank -> PID (from long_run.py)."""
+        deadline = time.monotonic() + TIMEOUT
+        while len(re.findall(pattern, "".join(self.outputs))) < count:
+            assert time.monotonic() < deadline, f"no {pattern!r} within {TIMEOUT} s:\n" + "\n".join(self.outputs)
+            assert all(node.poll() is None for node in self.nodes), "a node ended:\n" + "\n".join(self.outputs)
+            time.sleep(0.1)
+        return pids("".join(self.outputs))
+
+    def finish(self):
+        """Both exit codes once both nodes have ended; fails the test after the timeout."""
+        try:
+            for node in self.nodes:
+                node.wait(timeout=TIMEOUT)
+            for reader in self.readers:
+                reader.join(timeout=30)
+        finally:
+            for node in self.nodes:
+                sigkill(node)
+        return [node.returncode for node in self.nodes]
+
+    @property
+    def both(self):
+        return "\n".join(self.outputs)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_across_nodes_a_rank_sigkilled_mid_run_restarts_every_node_and_ends_bit_identical(tmp_path, strategy):
-    codes, outputs, _ = two_nodes(tmp_path, "ref", strategy=strategy)
-    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    expected = torch.load(tmp_path / "ref.pt")
-    kill = {"restarts": 1, "at": "step 33\n", "act": kill_rank(1)}
-    codes, outputs, _ = two_nodes(tmp_path, "run", "--sleep", "0.05", strategy=strategy, **kill)
-    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    line = "fabriclite: rank 1 on node 1 was killed by SIGKILL; stopping every rank and starting them again (restart 1 of 1)."
-    assert all(output.count(line) == 1 for output in outputs), outputs
-    resumed = re.findall(r"resumed from step-(\d+)\.ckpt at step (\d+)", outputs[0])
-    assert len(resumed) == 1 and int(resumed[0][1]) >= 20, outputs[0][-3000:]
-    assert_same_weights(expected, tmp_path / "run.pt")
+    reference = TwoNodes(tmp_path, "ref", strategy=strategy)
+    assert reference.finish() == [0, 0], reference.both[-6000:]
+    expected = torch.load(reference.out)
+    run = TwoNodes(tmp_path, "run", "--sleep", "0.05", strategy=strategy, restarts=1)
+    kill_rank(1)(None, run.wait_for(r"step 33\n"))
+    assert run.finish() == [0, 0], run.both[-6000:]
+    killed = r"fabriclite: rank 1 on node \d was killed by SIGKILL; stopping every rank on every node and starting them again"
+    assert len(re.findall(killed + r" \(restart 1 of 1\)\.", run.both)) == 1, run.both[-6000:]  # its node counted it
+    assert len(re.findall(killed + r"\.\n", run.both)) == 1, run.both[-6000:]  # the other node named it too
+    resumed = re.findall(r"resumed from step-(\d+)\.ckpt at step (\d+)", run.both)
+    assert len(resumed) == 1 and int(resumed[0][1]) >= 20, run.both[-6000:]
+    assert_same_weights(expected, run.out)
 
 
 def test_across_nodes_more_failures_than_restarts_end_every_node_with_the_failure_naming_the_rank(tmp_path):
-    codes, outputs, ranks = two_nodes(tmp_path, "run", "--sleep", "0.2", at="step 3\n", act=kill_rank(1))
-    assert codes == [128 + signal.SIGKILL] * 2, outputs
-    assert all("fabriclite: rank 1 on node 1 was killed by SIGKILL; stopping every rank." in out for out in outputs)
+    run = TwoNodes(tmp_path, "run", "--sleep", "0.2")
+    ranks = run.wait_for(r"step 3\n")
+    kill_rank(1)(None, ranks)
+    assert run.finish() == [128 + signal.SIGKILL] * 2, run.both[-6000:]
+    line = r"fabriclite: rank 1 on node \d was killed by SIGKILL; stopping every rank\."
+    assert all(re.search(line, output) for output in run.outputs), run.both[-6000:]
     assert sorted(ranks) == [0, 1] and still_running(list(ranks.values()), within=30) == []
 
 
-@pytest.mark.parametrize(
-    ("killed", "message"),
-    [
-        (1, "node 1's supervisor stopped answering (no heartbeat for 15 s)"),
-        (0, "lost the connection to node 0's supervisor at 127.0.0.1:"),
-    ],
-    ids=["node-1", "node-0-with-the-store"],
-)
-def test_across_nodes_a_sigkilled_node_supervisor_stops_the_other_node_and_leaves_no_rank(tmp_path, killed, message):
-    def kill_node(nodes, ranks):
-        nodes[killed].send_signal(signal.SIGKILL)
-
-    quicker = ["--node-timeout", "15"]  # than the default 60 s (a loaded machine still beats every second)
-    codes, outputs, ranks = two_nodes(
-        tmp_path, "run", "--sleep", "0.2", restarts=1, at="step 3\n", act=kill_node, launcher=quicker
-    )
+@pytest.mark.parametrize("killed", [1, 0], ids=["node-1", "node-0-with-the-rendezvous"])
+def test_across_nodes_a_sigkilled_node_run_stops_the_other_node_and_leaves_no_rank(tmp_path, killed):
+    quicker = ["--node-timeout", "30"]  # than the default 600 s: how long a restart waits for the lost node
+    run = TwoNodes(tmp_path, "run", "--sleep", "0.2", restarts=1, launcher=quicker)
+    ranks = run.wait_for(r"step 3\n")
+    run.nodes[killed].send_signal(signal.SIGKILL)
+    codes = run.finish()
     other = 1 - killed
-    assert codes[other] == 1, outputs[other][-3000:]
-    assert message in outputs[other], outputs[other][-3000:]
-    assert f"stopping every rank of node {other}." in outputs[other] and "restart 1 of 1" not in outputs[other]
+    assert codes[other] == 1, run.outputs[other][-3000:]
+    if killed == 1:  # the restart waits for node 1 to rejoin, for --node-timeout
+        assert "the nodes did not all join within 30 s (--node-timeout)" in run.outputs[other], run.outputs[other]
+    else:  # the rendezvous went with node 0
+        assert re.search(r"the run ended on another node|lost the rendezvous", run.outputs[other]), run.outputs[other]
     assert sorted(ranks) == [0, 1] and still_running(list(ranks.values()), within=30) == []
 
 
 @pytest.mark.parametrize("signalled", [[0], [0, 1]], ids=["node-0-only", "every-node"])
 def test_across_nodes_a_preemption_notice_ends_every_node_preempted(tmp_path, signalled):
-    def notice(nodes, ranks):  # a spot instance's notice reaches one machine; SLURM's, every node
-        for node in signalled:
-            nodes[node].send_signal(signal.SIGTERM)
-
-    codes, outputs, _ = two_nodes(tmp_path, "run", "--sleep", "0.05", restarts=1, at="step 20\n", act=notice)
-    assert codes == [PREEMPTED_EXIT_CODE] * 2, outputs
-    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", outputs[0] + outputs[1]))
-    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], outputs
-    assert all(f"Exit code {PREEMPTED_EXIT_CODE}: run it again to resume" in output for output in outputs)
-    assert all("restart" not in output for output in outputs)
+    # A spot instance's notice reaches one machine; SLURM's, every node.
+    run = TwoNodes(tmp_path, "run", "--sleep", "0.05", restarts=1)
+    run.wait_for(r"step 20\n")
+    for node in signalled:
+        run.nodes[node].send_signal(signal.SIGTERM)
+    assert run.finish() == [PREEMPTED_EXIT_CODE] * 2, run.both[-6000:]
+    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", run.both))
+    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], run.both[-6000:]
+    assert all(f"Exit code {PREEMPTED_EXIT_CODE}: run it again to resume" in output for output in run.outputs)
+    assert "restart" not in run.both
 
 
 def test_across_nodes_a_preempted_run_saves_at_one_step_and_the_same_commands_resume_it_bit_identical(tmp_path):
-    def notice(nodes, ranks):  # to node 0's supervisor alone, as a spot instance's
-        nodes[0].send_signal(signal.SIGTERM)
-
-    codes, outputs, _ = two_nodes(tmp_path, "ref")
-    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    expected = torch.load(tmp_path / "ref.pt")
+    reference = TwoNodes(tmp_path, "ref")
+    assert reference.finish() == [0, 0], reference.both[-6000:]
+    expected = torch.load(reference.out)
 
     port = free_port()
-    flags = ("--sleep", "0.05")
-    codes, outputs, _ = two_nodes(tmp_path, "run", *flags, port=port, at="step 20\n", act=notice)
-    assert codes == [PREEMPTED_EXIT_CODE] * 2, outputs[0][-3000:] + outputs[1][-3000:]
-    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", outputs[0] + outputs[1]))
-    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], outputs
-    assert not (tmp_path / "run.pt").exists()  # it stopped before the end
+    run = TwoNodes(tmp_path, "run", "--sleep", "0.05", port=port)
+    run.wait_for(r"step 20\n")
+    run.nodes[0].send_signal(signal.SIGUSR1)  # to node 0's `fabriclite run` alone; torch's agent would die of it
+    assert run.finish() == [PREEMPTED_EXIT_CODE] * 2, run.both[-6000:]
+    saved = dict(re.findall(r"(\d) saved at step (\d+) on preemption", run.both))
+    assert set(saved) == {"0", "1"} and saved["0"] == saved["1"], run.both[-6000:]
+    assert not run.out.exists()  # it stopped before the end
 
     # A requeued job runs the same two commands again: load_latest at the script's top resumes both ranks.
-    codes, outputs, _ = two_nodes(tmp_path, "run", *flags, port=port)
-    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    line = f"resumed from step-{int(saved['0']):04d}.ckpt at step {saved['0']}"  # said by rank 0, on node 0
-    assert line in outputs[0] and "fresh start" not in outputs[0], outputs[0][-3000:]
-    assert_same_weights(expected, tmp_path / "run.pt")
+    again = TwoNodes(tmp_path, "run", "--sleep", "0.05", port=port)
+    assert again.finish() == [0, 0], again.both[-6000:]
+    line = f"resumed from step-{int(saved['0']):04d}.ckpt at step {saved['0']}"  # said by global rank 0
+    assert line in again.both and "fresh start" not in again.both, again.both[-6000:]
+    assert_same_weights(expected, run.out)
 
 
-def test_across_nodes_a_node_that_ends_the_run_alone_ends_the_others_with_its_code(tmp_path):
-    def three_times(nodes, ranks):  # while rank 0 writes for 60 s: the second notice waits for it, the third kills
-        for _ in range(3):
-            nodes[0].send_signal(signal.SIGTERM)
-            time.sleep(2.5)  # later than one notice come twice
-
-    flags = ("--save-every", "1", "--slow-io", "60")
-    codes, outputs, ranks = two_nodes(tmp_path, "run", *flags, at="saving", act=three_times)
-    assert codes == [128 + signal.SIGTERM] * 2, outputs
-    assert "SIGTERM received a third time; killing every rank." in outputs[0], outputs
-    assert "node 0 ended the run with exit code 143 (received SIGTERM 3 times)" in outputs[1], outputs[1][-3000:]
+def test_across_nodes_a_node_that_kills_its_ranks_ends_the_others_naming_why(tmp_path):
+    run = TwoNodes(tmp_path, "run", "--save-every", "1", "--slow-io", "20")
+    ranks = run.wait_for("saving", count=2)
+    for _ in range(3):  # while the ranks write for 20 s: the second notice waits for it, the third kills
+        run.nodes[0].send_signal(signal.SIGTERM)
+        time.sleep(2.5)  # later than one notice come twice
+    codes = run.finish()
+    assert codes == [128 + signal.SIGTERM, 128 + signal.SIGKILL], run.both[-6000:]
+    assert "SIGTERM received a third time; killing every rank." in run.outputs[0], run.outputs[0][-3000:]
+    why = r"rank \d on node 0 was killed by SIGKILL \(node 0 received SIGTERM 3 times\); stopping every rank"
+    assert re.search(why, run.outputs[1]), run.outputs[1][-3000:]
     assert still_running(list(ranks.values()), within=30) == []
+
+
+def test_across_nodes_a_failure_that_repeats_from_the_same_checkpoint_is_not_restarted_again(tmp_path):
+    # fails_at_step.py "same": rank 1 raises the same error at the same step of every attempt
+    script = str(SCRIPTS / "fails_at_step.py")
+    run = TwoNodes(tmp_path, "run", restarts=3, script=script, mode=["same"])
+    assert run.finish() == [1, 1], run.both[-6000:]
+    assert "again: the same failure as in an earlier attempt" in run.both, run.both[-6000:]
+    assert "(2 of --max-restarts 3 left unused)" in run.both, run.both[-6000:]

@@ -5,7 +5,8 @@
 - ``launcher``: one interface, ``launch(fn, *args)``: in place, by re-running the script, or by spawning.
 - ``supervisor``: watching and restarting the ranks of one machine (``fabriclite run --max-restarts``).
 - ``failures``: what a rank that failed tells its supervisor; which rank failed first; a failure that repeats.
-- ``nodes``: the supervisors of a run on several machines, kept in step through node 0's store.
+- ``nodes``: a run on several machines (``fabriclite run --num-nodes``): torch's elastic agent, with our additions.
+- ``torchelastic``: ranks that torch's agent started (torchrun): a fresh store per group, the first failure named.
 - ``watchdog``: the report of a rank that stalls, and of processes that never join.
 
 Where a process sits in the run (torchrun, SLURM, our own launcher) is ``plugins/environments.py``, Lightning's path.

@@ -39,7 +39,7 @@ from fabriclite.processes.supervisor import (  # what every way of starting proc
     LAUNCHER_ENV,
     SIBLING_EXIT_GRACE_S,
     Supervisor,
-    _die_with_parent,
+    die_with_parent,
     _exit_code,
     _rank_env,
     max_restarts,
@@ -152,7 +152,7 @@ class SubprocessLauncher:
                 LAUNCHER_ENV: "subprocess",
                 FAILURE_FILE_ENV: os.path.join(self._records, f"{rank}.json"),
             }
-            self.children.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
+            self.children.append(subprocess.Popen(command, env=env, preexec_fn=die_with_parent))
         os.environ.update(_rank_env(0, 0, self.processes, 0, "127.0.0.1", port))
         os.environ[LAUNCHER_ENV] = "subprocess"
         threading.Thread(target=self._watch, name="fabriclite-watchdog", daemon=True).start()
@@ -256,7 +256,7 @@ def _tell(line: str) -> None:
 
 
 def _process_entry(local_rank: int, processes: int, port: int, start_method: str, payload: Any, results: Any) -> None:
-    _die_with_parent()
+    die_with_parent()
     os.environ.update(_rank_env(local_rank, local_rank, processes, 0, "127.0.0.1", port))
     os.environ[LAUNCHER_ENV] = start_method
     # A spawned process unpickles the work only now, with the rank in the environment: a Fabric in it is rebuilt as

@@ -1,267 +1,483 @@
-"""The supervisors of one run on several machines, kept in step: ``fabriclite run --num-nodes N`` starts one
-``Supervisor`` per node, and they agree through a small key-value store (``torch.distributed.TCPStore``) that node
-0's supervisor hosts on the main port. The ranks never touch it: their rendezvous is on a fresh port per attempt.
+"""A run on several machines: ``fabriclite run --num-nodes N`` runs, on every node, torch's elastic agent (torchrun's
+``LocalElasticAgent``) with the c10d rendezvous that node 0 hosts at ``--main-address:--main-port``. torch starts
+the ranks, watches them, and restarts the ranks of every node when one fails (``--max-restarts``, counted by the
+node whose rank failed), as under ``torchrun --rdzv-backend c10d``. On top, what torch's agent does not do:
 
-For attempt k (the first is 0), under the store's keys ``k/...``:
+- **A check before anything starts** (``check_nodes``): every node runs the same ``--num-nodes`` and ``--devices``,
+  no node rank joins twice, and a node that cannot reach node 0 says where it looked.
+- **Preemption notices** (SIGTERM, SIGUSR1): passed to every rank of this node, which save (``fabric.preempted`` is
+  agreed on every node) and exit 75. That exit is no failure here: no restart, and every node exits 75 (node 0
+  requeues the SLURM job where allowed). torch's agent would give the ranks 30 s after a SIGTERM, and SIGUSR1 would
+  kill it. The agent runs on a thread of its own, so torch installs no signal handlers: this process's main thread
+  takes every signal. A notice come twice within ``SAME_NOTICE_S`` counts once; a second one is passed on too (the
+  ranks leave once their saves end); a third, a second SIGINT, or ``deadline`` seconds without the ranks ending kill
+  them. After a SIGINT nothing is restarted.
+- **The failure named on every node**: each rank records the exception that ends it in its group's store, and the
+  agent of a node whose rank a signal killed records that (``torchelastic.publish``); every node says which rank
+  failed first, and how, at the restart or at the end. A failure that repeats an earlier attempt's from the same
+  checkpoint is not restarted (``failures.repeats``), as on one machine.
+- **Ranks that die with their node's ``fabriclite run``**, however it dies: each rank asks for it itself
+  (``torchelastic.die_with_agent``), since torch starts them.
 
-- node 0 picks a free port for the ranks' rendezvous and publishes it (``k/port``); every node starts its ranks on it;
-- a node whose rank dies stops its ranks, reports which died and how (``k/report/<node>``, numbered in the order
-  they came) and raises the stop flag (``k/stop``); every node that sees it stops its ranks too. Then all wait until
-  every node has stopped them (``k/stopped`` = N), so the next group finds no rank of the dead one to connect to, and
-  all name the same rank, the one that failed first (``failures.first``), and know every rank's failure;
-- a node whose ranks all exited 0 counts itself finished (``k/finished``); the run succeeded once every node has.
-
-A preemption notice on one node is published (``preempted``), so every node ends "preempted" too. Every supervisor
-adds to its heartbeat (``beat/<node>``) each second from a thread; one silent for ``timeout`` seconds, or a store that
-no longer answers (node 0's supervisor died), makes the others stop their ranks and exit. A node that ends the run
-on its own (a second signal, a lost node) says so (``abort``), and the others end with its exit code.
-
-Usage: ``Supervisor(command, processes=8, nodes=NodeGroup(2, node_rank, "10.0.0.1", 29500, processes=8)).run()``.
+Usage: ``NodeRun(command, processes=8, num_nodes=2, node_rank=0, address="10.0.0.1", port=29500).run()`` returns
+the exit code.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
-from fabriclite.plugins.environments import free_port
-from fabriclite.processes.failures import Failure, first
+from fabriclite.processes import torchelastic
+from fabriclite.processes.failures import Failure, first, repeats
+from fabriclite.processes.signals import GRACE_S, NOTICES, PREEMPTED_EXIT_CODE, SAME_NOTICE_S, requeue
 
-NODE_TIMEOUT_S = 60.0  # a node whose supervisor is silent this long is taken for dead
-JOIN_TIMEOUT_S = 600.0  # how long the first node waits for the last one to start (a cluster starts them apart)
-BEAT_S = 1.0
-POLL_S = 0.1
-LOST_EXIT_CODE = 1
+JOIN_TIMEOUT_S = 600.0  # how long the nodes wait for each other to (re)join: a cluster starts them apart
+LEAVE_WAIT_S = 30.0  # how long node 0 keeps the rendezvous store up for the other nodes to end
+SIGNAL_RECORD_WAIT_S = 1.0  # after a failure, how long to wait for another node's record of a rank a signal killed
+_ENDED = (0, PREEMPTED_EXIT_CODE)  # how a rank ends well: a rank that saved after a preemption notice exits 75
+
+
+def say(message: str) -> None:
+    print(f"fabriclite: {message}", file=sys.stderr, flush=True)
 
 
 class NodeGroupError(RuntimeError):
-    """The nodes cannot go on together: a node is lost, ended the run, or was started with other settings. ``code``
-    is the exit code for ``fabriclite run``."""
+    """This node cannot join the run: node 0 unreachable, other settings, its node rank taken. ``code`` is the exit
+    code for ``fabriclite run``."""
 
-    def __init__(self, message: str, code: int = LOST_EXIT_CODE) -> None:
+    def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
         self.code = code
+
+
+def check_nodes(num_nodes: int, node_rank: int, processes: int, address: str, port: int, timeout: float) -> None:
+    """Meet the other nodes in node 0's rendezvous store and check that every node runs the same settings and no
+    node rank twice; raise ``NodeGroupError`` saying what to change. Node 0's settings are the run's: a node started
+    with others is refused alone, and the run goes on waiting for the right one.
+
+    Usage: ``check_nodes(2, 1, 8, "10.0.0.1", 29500, timeout=600)`` on node 1.
+    """
+    try:
+        store = torchelastic.connect(address, port, timeout)
+    except (RuntimeError, ValueError) as error:
+        raise NodeGroupError(
+            f"node {node_rank} could not reach node 0's `fabriclite run` at {address}:{port} within {timeout:g} s "
+            f"({_first_line(error)}); start `fabriclite run --node-rank 0` there with the same --main-address and "
+            "--main-port"
+        ) from None
+    ours = f"{num_nodes} {processes}"
+    if node_rank == 0:
+        store.set("fabriclite/settings", ours)
+    else:
+        store.wait(["fabriclite/settings"], timedelta(seconds=timeout))
+        theirs = store.get("fabriclite/settings").decode()
+        if theirs != ours:
+            nodes, devices = theirs.split()
+            raise NodeGroupError(
+                f"node 0 runs --num-nodes {nodes} with {devices} device(s) per node, this node --num-nodes "
+                f"{num_nodes} with {processes}; give every node the same --num-nodes and number of --devices"
+            )
+    if store.add(f"fabriclite/node/{node_rank}", 1) > 1:  # the first to claim a node rank holds it
+        raise NodeGroupError(f"another node already joined this run as --node-rank {node_rank}", code=2)
 
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-class NodeGroup:
-    """This node's part in a run on ``num_nodes`` machines, each running ``processes`` ranks; ``address:port`` is
-    where node 0's supervisor hosts the store. Call ``join()`` first and ``leave(code)`` last."""
+def _code(returncode: int) -> int:
+    # A rank killed by signal N (returncode -N) makes this process exit the way shells report it: 128 + N.
+    return returncode if returncode > 0 else 128 - returncode
+
+
+class NodeRun:
+    """This node's part of a run on ``num_nodes`` machines, each running ``command`` as ``processes`` ranks; node 0
+    hosts the rendezvous at ``address:port``. ``join_timeout``: how long the nodes wait for each other to (re)join
+    (a lost node ends the run after it); ``deadline``: how long the ranks have to save after a preemption notice."""
 
     def __init__(
         self,
+        command: list[str],
+        processes: int,
         num_nodes: int,
         node_rank: int,
         address: str,
         port: int,
-        processes: int,
-        timeout: float = NODE_TIMEOUT_S,
+        max_restarts: int = 0,
         join_timeout: float = JOIN_TIMEOUT_S,
+        deadline: float = GRACE_S,
     ) -> None:
         if not 0 <= node_rank < num_nodes:
             raise ValueError(f"node_rank={node_rank} must be in 0 .. num_nodes-1 = {num_nodes - 1}.")
+        self.command = command
+        self.processes = processes
         self.num_nodes = num_nodes
         self.node_rank = node_rank
         self.address = address
         self.port = port
-        self.processes = processes
-        self.timeout = timeout
+        self.max_restarts = max_restarts
         self.join_timeout = join_timeout
-        self.store: Any = None
-        self.lost: str | None = None  # set by the heartbeat thread
-        self.lost_nodes: set[int] = set()
-        self._finished: set[int] = set()  # attempts this node counted itself finished in
-        self._closing = threading.Event()
+        self.deadline = deadline
+        self.signals: list[int] = []  # received, in order; one within SAME_NOTICE_S of the first is the same one
+        self._first_signal_at = 0.0
+        self.agent: Any = None
+        self.stopped_because = ""  # why this node killed its ranks on its own
 
-    # ------------------------------------------------------------------------------------------ joining, leaving
-    def join(self) -> None:
-        """Host (node 0) or reach the store, check that every node runs the same settings, and wait for them all."""
-        from torch.distributed import TCPStore
+    @property
+    def notice(self) -> int:
+        """The first signal this node received (a preemption notice or SIGINT), or 0."""
+        return self.signals[0] if self.signals else 0
 
-        where = f"{self.address}:{self.port}"
+    def run(self) -> int:
+        """Run this node's ranks until the run ends; return the exit code: 0, ``PREEMPTED_EXIT_CODE`` after a
+        preemption, or the failed rank's (128 + N for signal N) once the restarts are used up."""
+        logs = tempfile.mkdtemp(prefix="fabriclite-agent-")  # torch's per-rank error files; they hold exceptions
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in (signal.SIGINT, *NOTICES)}
         try:
-            self.store = TCPStore(
-                self.address, self.port, None, self.node_rank == 0, timedelta(seconds=self.join_timeout),
-                wait_for_workers=False,
-            )  # fmt: skip
-        except RuntimeError as error:
-            if self.node_rank == 0:
-                raise NodeGroupError(
-                    f"node 0 cannot host the run's store on port {self.port} ({_first_line(error)}); "
-                    "choose a free --main-port, the same on every node"
-                ) from None
-            raise NodeGroupError(
-                f"node {self.node_rank} could not reach node 0's supervisor at {where} within "
-                f"{self.join_timeout:g} s ({_first_line(error)}); start `fabriclite run --node-rank 0` there with "
-                "the same --main-address and --main-port"
-            ) from None
-        self.store.set_timeout(timedelta(seconds=self.timeout))
-        # Node 0's settings are the run's. A node started with others is refused before it counts as joined, on its
-        # own (no "abort" to the others, no "left"): the run goes on waiting for the right node.
-        if self.node_rank == 0:
-            self._call("set", "settings", f"{self.num_nodes} {self.processes}")
-        else:
-            theirs, ours = self._call("get", "settings").decode(), f"{self.num_nodes} {self.processes}"
-            if theirs != ours:
-                nodes, processes = theirs.split()
-                self._refuse(
-                    f"node 0 runs --num-nodes {nodes} with {processes} device(s) per node, this node --num-nodes "
-                    f"{self.num_nodes} with {self.processes}; give every node the same --num-nodes and number of "
-                    "--devices"
-                )
-        if self._call("add", f"node/{self.node_rank}", 1) > 1:  # the first to claim a node rank holds it
-            self._refuse(f"another node already joined this run as --node-rank {self.node_rank}", code=2)
-        self._call("add", f"beat/{self.node_rank}", 1)
-        self._call("add", "joined", 1)
-        self._wait(
-            lambda: self._call("add", "joined", 0) == self.num_nodes,
-            self.join_timeout,
-            lambda: (
-                f"only {self._call('add', 'joined', 0)} of {self.num_nodes} nodes joined within "
-                f"{self.join_timeout:g} s; start `fabriclite run` on every node, each with its --node-rank"
-            ),
-        )
-        threading.Thread(target=self._beat, name="fabriclite-heartbeat", daemon=True).start()
-
-    def _refuse(self, message: str, code: int = LOST_EXIT_CODE) -> None:
-        """Leave the run's store untouched from here on (``leave`` has nothing to tell) and raise ``message``."""
-        self._closing.set()
-        self.store = None
-        raise NodeGroupError(f"this node is refused: {message}", code=code)
-
-    def leave(self, code: int, reason: str | None = None) -> None:
-        """Say goodbye: with a ``reason``, this node ends the run on its own and the others end with ``code`` too.
-        Node 0 waits (a while) for the others to leave before its store goes away."""
-        self._closing.set()
-        if self.store is None:
-            return
-        try:
-            if reason is not None:  # the first node to end the run alone is the one the others name
-                self.store.compare_set("abort", "", f"{code} {self.node_rank} {reason}")
-            if self.node_rank != 0:
-                self.store.add("left", 1)
-                return
-            expected = self.num_nodes - 1 - len(self.lost_nodes)
-            deadline = time.monotonic() + self.timeout
-            while self.store.add("left", 0) < expected and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-        except RuntimeError:
-            pass  # the others are gone already, or the store is: nothing left to tell
+            try:
+                # Node 0 hosts the rendezvous store first; the others wait for it there, then check the settings.
+                handler = self._rendezvous() if self.node_rank == 0 else None
+                check_nodes(self.num_nodes, self.node_rank, self.processes, self.address, self.port, self.join_timeout)
+                handler = handler or self._rendezvous()
+            except NodeGroupError as error:
+                say(f"this node is refused: {error}.")
+                return error.code
+            self.agent = _agent(self, handler, logs)
+            code = self._exit_code(self._run_agent())
+            self._leave()
+            return code
         finally:
-            self.store = None
+            for signum, before in previous.items():
+                signal.signal(signum, before)
+            shutil.rmtree(logs, ignore_errors=True)
 
-    # ------------------------------------------------------------------------------------------ one attempt
-    def rendezvous_port(self, attempt: int) -> int:
-        """The port of attempt ``attempt``'s rendezvous: node 0 picks a free one, the others wait for it."""
-        if self.node_rank == 0:
-            self._call("set", f"{attempt}/port", str(free_port("")))
-        key = f"{attempt}/port"
-        self._wait(lambda: self._call("check", [key]), self.timeout, lambda: f"node 0 did not start attempt {attempt}")
-        return int(self._call("get", key))
+    def _leave(self) -> None:
+        """Say this node is done; node 0, whose process hosts the rendezvous store, waits (up to ``LEAVE_WAIT_S``)
+        for the others to be done too, so that they can still read there why the run ended."""
+        try:
+            store = torchelastic.connect(self.address, self.port)
+            store.add("fabriclite/left", 1)
+            deadline = time.monotonic() + LEAVE_WAIT_S
+            while self.node_rank == 0 and store.add("fabriclite/left", 0) < self.num_nodes:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        except Exception:  # node 0's store is gone already: nothing to wait for
+            pass
 
-    def check(self) -> None:
-        """Raise ``NodeGroupError`` when a node is lost or ended the run on its own; else return."""
-        if self.lost:
-            raise NodeGroupError(self.lost)
-        if self._call("check", ["abort"]):
-            code, node, reason = self._call("get", "abort").decode().split(" ", 2)
-            self.lost = f"node {node} ended the run with exit code {code} ({reason})"
-            raise NodeGroupError(self.lost, code=int(code))
+    def _rendezvous(self) -> Any:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
 
-    def publish_preemption(self, signum: int) -> None:
-        self._call("compare_set", "preempted", "", str(signum))
-
-    def preempted(self) -> int:
-        """The signal number of the preemption notice some node got, or 0 while none has."""
-        return int(self._call("get", "preempted")) if self._call("check", ["preempted"]) else 0
-
-    def finish(self, attempt: int) -> bool:
-        """Count this node finished in ``attempt`` (every rank exited well); True once every node is."""
-        if attempt not in self._finished:
-            self._finished.add(attempt)
-            self._call("add", f"{attempt}/finished", 1)
-        return self._call("add", f"{attempt}/finished", 0) == self.num_nodes
-
-    def stop_requested(self, attempt: int) -> bool:
-        return bool(self._call("check", [f"{attempt}/stop"]))
-
-    def stop(self, attempt: int, failures: list[Failure]) -> tuple[int, Failure, list[Failure]]:
-        """This node stopped its ranks in ``attempt``, ``failures`` (by global rank) among them: tell the others, wait
-        until every node has stopped its ranks, and return the failure every node names, as (node, failure), and the
-        failures of every node."""
-        if failures:
-            order = self._call("add", f"{attempt}/reports", 1)
-            listed = json.dumps([list(failure) for failure in failures])
-            self._call("set", f"{attempt}/report/{self.node_rank}", f"{order} {listed}")
-            self._call("set", f"{attempt}/stop", "1")
-        self._call("add", f"{attempt}/stopped", 1)
-        self._wait(
-            lambda: self._call("add", f"{attempt}/stopped", 0) == self.num_nodes,
-            None,
-            lambda: "unreachable: a node that does not stop is lost",
+        parameters = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"{self.address}:{self.port}",
+            run_id="fabriclite",
+            min_nodes=self.num_nodes,
+            max_nodes=self.num_nodes,
+            is_host=self.node_rank == 0,
+            join_timeout=str(int(self.join_timeout)),
         )
-        reports = []
-        for node in range(self.num_nodes):
-            key = f"{attempt}/report/{node}"
-            if self._call("check", [key]):
-                order, listed = self._call("get", key).decode().split(" ", 1)
-                reports.extend((int(order), node, Failure(*failure)) for failure in json.loads(listed))
-        if not reports:
-            raise NodeGroupError(f"the nodes stopped attempt {attempt}, but none said which rank failed")
-        reports.sort(key=lambda report: report[:2])  # in the order the nodes reported
-        named = first([failure for _, _, failure in reports])
-        node = next(node for _, node, failure in reports if failure == named)
-        return node, named, [failure for _, _, failure in reports]
+        return registry.get_rendezvous_handler(parameters)
 
-    # ------------------------------------------------------------------------------------------ plumbing
-    def _call(self, method: str, *args: Any) -> Any:
-        """One store operation; a store that no longer answers means node 0's supervisor is gone."""
-        try:
-            return getattr(self.store, method)(*args)
-        except RuntimeError as error:
-            self.lost = (
-                f"lost the connection to node 0's supervisor at {self.address}:{self.port} ({_first_line(error)})"
-            )
-            raise NodeGroupError(self.lost) from None
+    def _run_agent(self) -> Any:
+        """Run the agent on a thread of its own (so torch takes no signal handlers), watching the deadline after a
+        notice here; return its result, or the exception that ended it (the rendezvous closed by a node that ended
+        the run, a node lost)."""
+        outcome: list[Any] = []
 
-    def _wait(self, done: Any, timeout: float | None, what: Any) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not done():
-            self.check()  # a lost node, or one that ended the run, never arrives
-            if deadline is not None and time.monotonic() > deadline:
-                raise NodeGroupError(what())
-            time.sleep(POLL_S)
+        def run() -> None:
+            try:
+                outcome.append(self.agent.run())
+            except Exception as error:
+                outcome.append(error)
+            finally:  # as torchrun does: the other nodes' agents learn that this one is done
+                self.agent.get_worker_group().spec.rdzv_handler.shutdown()
 
-    def _beat(self) -> None:
-        """Add to this node's heartbeat every second, and watch the others' (on a connection of its own)."""
-        from torch.distributed import TCPStore
+        thread = threading.Thread(target=run, name="fabriclite-agent", daemon=True)
+        thread.start()
+        stop_by = None
+        while thread.is_alive():
+            thread.join(0.1)
+            if self.notice and stop_by is None:
+                stop_by = time.monotonic() + self.deadline
+            if stop_by is not None and time.monotonic() > stop_by and self.agent.stopping is None:
+                say(f"the ranks did not exit within {self.deadline:g} s of the preemption notice; killing them.")
+                self._kill(128 + self.notice, f"node {self.node_rank}'s ranks missed the preemption deadline")
+        return outcome[0]
 
-        others = [node for node in range(self.num_nodes) if node != self.node_rank]
-        seen = {node: (-1, time.monotonic()) for node in others}
-        try:
-            store = TCPStore(self.address, self.port, None, False, timedelta(seconds=self.timeout))
-            while not self._closing.wait(BEAT_S):
-                store.add(f"beat/{self.node_rank}", 1)
-                beats = store.multi_get([f"beat/{node}" for node in others]) if others else []
-                now = time.monotonic()
-                for node, beat in zip(others, beats):
-                    if beat != seen[node][0]:
-                        seen[node] = (beat, now)
-                    elif now - seen[node][1] > self.timeout:
-                        self.lost_nodes.add(node)
-                        self.lost = (
-                            f"node {node}'s supervisor stopped answering (no heartbeat for {self.timeout:g} s): "
-                            "it died or its machine is unreachable"
-                        )
-                        return
-        except RuntimeError as error:
-            if not self._closing.is_set():
-                self.lost = (
-                    f"lost the connection to node 0's supervisor at {self.address}:{self.port} ({_first_line(error)})"
+    def _exit_code(self, outcome: Any) -> int:
+        from torch.distributed.elastic.agent.server.api import WorkerState
+
+        agent = self.agent
+        if agent.stopping is not None:
+            return agent.stopping
+        if isinstance(outcome, BaseException):
+            named = agent.named
+            after = f" after {named[1].describe(named[0])}" if named else ""
+            if type(outcome).__name__ == "RendezvousTimeoutError":
+                say(
+                    f"the nodes did not all join within {self.join_timeout:g} s (--node-timeout){after}: a node was "
+                    "not started, or was lost; start `fabriclite run` on every node, each with its --node-rank."
                 )
+            else:
+                say(f"the run ended on another node{after} ({type(outcome).__name__}: {_first_line(outcome)}).")
+            return _code(named[1].code) if named else 1
+        if self.notice == signal.SIGINT:
+            return 128 + signal.SIGINT
+        if outcome.state == WorkerState.SUCCEEDED:
+            if not agent.preempted:
+                return 0
+            # One requeue for the whole job: node 0's.
+            if self.node_rank != 0 or not requeue(say=lambda line: print(line, file=sys.stderr, flush=True)):
+                say(
+                    f"preempted; every rank exited after saving. Exit code {PREEMPTED_EXIT_CODE}: run it again to resume."
+                )
+            return PREEMPTED_EXIT_CODE
+        named = agent.named
+        if named is None and outcome.failures:
+            named = (self.node_rank, first([Failure(rank, end.exitcode) for rank, end in outcome.failures.items()]))
+        if named is None:  # another node ended the run, and recorded nothing that says why
+            say(f"the run ended on another node ({agent.lost or 'it closed the rendezvous'}); stopping every rank.")
+            return 1
+        left = f" (no restarts left of --max-restarts {self.max_restarts})" if self.max_restarts else ""
+        lost = f" ({agent.lost})" if agent.lost else ""
+        say(f"{named[1].describe(named[0])}; stopping every rank{left}{lost}.")
+        return _code(named[1].code)
+
+    # ------------------------------------------------------------------------------------------ signals
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        again = len(self.signals) == 1 and {signum, self.signals[0]} <= set(NOTICES)
+        if again and now - self._first_signal_at < SAME_NOTICE_S:
+            return  # one notice come twice (SLURM signals every process of a job step)
+        self.signals.append(signum)
+        self._first_signal_at = self._first_signal_at or now
+        if self.agent is None:  # not started yet: the ranks start no more
+            raise SystemExit(128 + signum)
+        name = signal.Signals(signum).name
+        if len(self.signals) > 2 or (len(self.signals) > 1 and signal.SIGINT in self.signals):
+            say(f"{name} received {'again' if len(self.signals) == 2 else 'a third time'}; killing every rank.")
+            self._kill(128 + signum, f"node {self.node_rank} received {name} {len(self.signals)} times")
+            return
+        if len(self.signals) == 2:
+            say(f"{name} received again; the ranks exit once their saves under way have ended.")
+        self.agent.pass_on(signum)
+
+    def _kill(self, code: int, because: str) -> None:
+        self.stopped_because = because
+        self.agent.stopping = code
+        self.agent.pass_on(signal.SIGKILL)
+
+
+def _agent(node: NodeRun, handler: Any, logs: str) -> Any:
+    """torch's agent for ``node``, with fabriclite's additions (see the module's text). Its ranks' environment says
+    who started them (``FABRICLITE_LAUNCHER``) and which process to die with (``torchelastic.AGENT_PID_ENV``)."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    class Agent(LocalElasticAgent):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.stopping: int | None = None  # this node killed its ranks on its own: the exit code
+            self.preempted = False  # every rank ended well after a preemption (exit 0 or 75)
+            self.named: tuple[int, Failure] | None = None  # the failure that stopped the last attempt, on which node
+            self.counted = False  # torch counts this attempt's failure as a restart of this node's
+            self.previous: list[Failure] = []  # earlier attempts' failures: is the next one the same again?
+            self.stale: str | None = None  # the newest group's generation when this node's ranks started
+            self.finished = False  # this node's ranks of this attempt all ended well, and it said so
+            self.said_why = False  # this node killed its ranks, and recorded that for the others
+            self.next_look = 0.0  # when to look again whether another node ended the run
+            self.lost: str | None = None  # why the rendezvous cannot go on, when it is lost
+
+        def pass_on(self, signum: int) -> None:
+            for worker in self.get_worker_group().workers:
+                if worker.id:
+                    try:
+                        os.kill(worker.id, signum)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+        def _start_workers(self, worker_group: Any) -> Any:
+            self.finished = False
+            try:  # read before the ranks start: a group they form after this is new
+                self.stale = torchelastic.current_generation(_store(worker_group))
+            except Exception:
+                self.stale = None
+            return super()._start_workers(worker_group)
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            codes = self._exit_codes()  # before torch, finding a failure, stops the others
+            if self.stopping is not None or node.notice == signal.SIGINT:
+                self._remaining_restarts = 0  # stopped on purpose: nothing to restart
+                self._say_why_stopped(worker_group)
+            elif node.notice or PREEMPTED_EXIT_CODE in codes:
+                # A preempted rank exits 75 after saving: wait for the others (torch would stop them at once and
+                # count a failure), and end well once all ended well. One that the notice itself ended (it came
+                # before the rank's Fabric took notices) had nothing to save.
+                if None in codes:
+                    return self._unless_ended_elsewhere(worker_group)
+                if all(code in _ENDED or (node.notice and -code in NOTICES) for code in codes):
+                    self.preempted = True
+                    return self._finished(worker_group)
+            elif codes and all(code == 0 for code in codes):
+                return self._finished(worker_group)
+            elif codes and all(code is None for code in codes):
+                return self._unless_ended_elsewhere(worker_group)
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and self.stopping is None:
+                self._after_failure(worker_group, result, codes)
+            return result
+
+        def _finished(self, worker_group: Any) -> Any:
+            """This node's ranks all ended well. Said in this round of the rendezvous; until every node's have,
+            they may still be needed: when a rank fails on another node, torch restarts this node's too (its own
+            agent would wait at its exit barrier instead, and the failed node would wait for it to rejoin)."""
+            if not self.finished:
+                self.finished = True
+                worker_group.store.add("fabriclite/finished", 1)
+            if worker_group.store.add("fabriclite/finished", 0) < node.num_nodes:
+                return self._unless_ended_elsewhere(worker_group)
+            values = {worker.global_rank: None for worker in worker_group.workers}
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
+        def _unless_ended_elsewhere(self, worker_group: Any) -> Any:
+            """Healthy, unless another node ended the run (it closed the rendezvous, or node 0's is gone): then
+            failed, with no restart, naming why (torch stops this node's ranks). Looked at once a second."""
+            if time.monotonic() < self.next_look:
+                return RunResult(state=WorkerState.HEALTHY)
+            self.next_look = time.monotonic() + 1.0
+            try:
+                if not worker_group.spec.rdzv_handler.is_closed():
+                    return RunResult(state=WorkerState.HEALTHY)
+            except Exception as error:  # node 0's rendezvous store is gone: no restart can meet there
+                self.lost = f"lost the rendezvous at {node.address}:{node.port} ({_first_line(error)})"
+            self._name(worker_group)
+            self._remaining_restarts = 0
+            return RunResult(state=WorkerState.FAILED)
+
+        def _say_why_stopped(self, worker_group: Any) -> None:
+            # This node killed its ranks: the other nodes name that, not their own ranks' broken collectives.
+            if self.stopping is not None and not self.said_why:
+                self.said_why = True
+                for worker in worker_group.workers:
+                    killed = Failure(worker.global_rank, -signal.SIGKILL, node.stopped_because, time.time())
+                    _record(worker_group, killed, node.node_rank)
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            if not self.counted:  # another node's rank failed: it rejoined the rendezvous, and torch restarts us too
+                self.named = None
+                self._name(worker_group)
+            who = self.named[1].describe(self.named[0]) if self.named else "a rank on another node failed"
+            spec = worker_group.spec
+            count = spec.max_restarts - self._remaining_restarts
+            which = f" (restart {count} of {spec.max_restarts})" if self.counted else ""
+            say(f"{who}; stopping every rank on every node and starting them again{which}.")
+            self.counted = False
+            super()._restart_workers(worker_group)
+
+        def _exit_codes(self) -> list[int | None]:
+            # The processes belong to torch's process context; polling them does not take their exit from it.
+            context = self._pcontext
+            return [handler.proc.poll() for handler in context.subprocess_handlers.values()] if context else []
+
+        def _after_failure(self, worker_group: Any, result: Any, codes: list[int | None]) -> None:
+            """Record this node's failed ranks for the other nodes (exit codes, signals: what a rank cannot say
+            itself), name the failure, and stop restarting when it repeats an earlier attempt's. Failed: those that
+            had ended badly before torch stopped the others (newer torch lists those it stopped too)."""
+            failed = {
+                worker.global_rank: code
+                for worker, code in zip(worker_group.workers, codes)
+                if code not in (None, *_ENDED)
+            } or {rank: failure.exitcode for rank, failure in result.failures.items()}
+            for rank, code in failed.items():
+                _record(worker_group, Failure(rank, code, at=time.time()), node.node_rank)
+            self._name(worker_group)
+            self.counted = True
+            named = self.named[1] if self.named else None
+            if named is not None and self._remaining_restarts > 0 and repeats(named, self.previous):
+                newest = f"its newest is still save number {named.progress}" if named.progress else "it has none yet"
+                say(
+                    f"{named.describe(self.named[0])} again: the same failure as in an earlier attempt, with no "
+                    f"checkpoint of the run saved in between ({newest}). Restarting would only repeat it, so every "
+                    f"rank is stopped ({self._remaining_restarts} of --max-restarts {node.max_restarts} left unused)."
+                )
+                self._remaining_restarts = 0
+            if named is not None:
+                self.previous.append(named)
+
+        def _name(self, worker_group: Any) -> None:
+            """Name the failure that stopped this attempt, from every node's records: how each failed rank ended
+            (its agent's record, in this round of the rendezvous), with the exception it recorded, if any. A rank
+            killed by a signal counts first, so when the only failures so far are exceptions (most likely caused by
+            it), another node's agent gets a moment to record one."""
+            deadline = time.monotonic() + SIGNAL_RECORD_WAIT_S
+            while True:
+                seen = _round_failures(worker_group)
+                if any(failure.code < 0 for _, failure in seen) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            try:
+                recorded = torchelastic.group_failures(_store(worker_group), self.stale)
+                raised = {failure.rank: failure for _, failure in recorded}
+            except Exception:  # the ranks' store is gone: how they ended is known all the same
+                raised = {}
+            failures = [(where, _with_exception(failure, raised.get(failure.rank))) for where, failure in seen]
+            if failures:
+                named = first([failure for _, failure in failures])
+                self.named = next(item for item in failures if item[1] == named)
+
+    os.environ[torchelastic.AGENT_PID_ENV] = str(os.getpid())
+    os.environ[torchelastic.NODE_RANK_ENV] = str(node.node_rank)
+    os.environ["FABRICLITE_LAUNCHER"] = "fabriclite run"
+    spec = WorkerSpec(
+        role="default",
+        local_world_size=node.processes,
+        rdzv_handler=handler,
+        entrypoint=node.command[0],
+        args=tuple(node.command[1:]),
+        max_restarts=node.max_restarts,
+        monitor_interval=0.1,
+    )
+    return Agent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=logs), start_method="spawn")
+
+
+def _with_exception(seen: Failure, raised: Failure | None) -> Failure:
+    """How a rank ended (its agent's record), with the exception it recorded when it exited with an error."""
+    if raised is None or seen.code < 0:
+        return seen
+    return seen._replace(error=raised.error, at=raised.at, progress=raised.progress)
+
+
+def _record(worker_group: Any, failure: Failure, node: int) -> None:
+    """Record how a rank of ``node`` ended badly, for every node, in this round of the rendezvous."""
+    try:
+        worker_group.store.append("fabriclite/failures", json.dumps({**failure._asdict(), "node": node}) + "\n")
+    except Exception:  # the rendezvous store is gone: each node names what it saw itself
+        pass
+
+
+def _round_failures(worker_group: Any) -> list[tuple[int, Failure]]:
+    """The failed ranks every node's agent recorded in this round of the rendezvous, as (node, failure)."""
+    try:
+        if not worker_group.store.check(["fabriclite/failures"]):
+            return []
+        lines = worker_group.store.get("fabriclite/failures").decode().splitlines()
+    except Exception:
+        return []
+    records = [json.loads(line) for line in lines if line]
+    return [(record.pop("node"), Failure(**record)) for record in records]
+
+
+def _store(worker_group: Any) -> Any:
+    """The store the ranks of ``worker_group`` meet in (torch's agent store)."""
+    return torchelastic.connect(worker_group.master_addr, int(worker_group.master_port))

@@ -1,7 +1,6 @@
 """Starting every rank of a run on one machine, watching them, and starting them all again when one dies: what
-``fabriclite run`` does (instead of torchrun, whose restarted gloo group could not connect). Across machines, each
-node runs one ``Supervisor``, kept in step with the others through node 0's store (``nodes``): a failure on any
-node restarts the ranks of every node together.
+``fabriclite run`` does on one machine, and ``fabric.launch()`` with ``FABRICLITE_MAX_RESTARTS``. (Across machines,
+``fabriclite run --num-nodes`` runs torch's elastic agent instead: ``nodes``.)
 
 - Each rank runs in its own session, so stopping it stops what it started too (DataLoader workers), and dies
   within moments when this process dies, however it dies (``PR_SET_PDEATHSIG`` on Linux).
@@ -35,7 +34,6 @@ from typing import Any
 from fabriclite.plugins.environments import free_port
 from fabriclite.processes.failures import FAILURE_FILE_ENV, Failure, first, how_it_ended, read, records_folder, repeats
 from fabriclite.processes import signals
-from fabriclite.processes.nodes import NodeGroup, NodeGroupError
 from fabriclite.processes.signals import GRACE_S, NOTICES as SIGNALS, PREEMPTED_EXIT_CODE, SAME_NOTICE_S, requeue
 
 LAUNCHER_ENV = "FABRICLITE_LAUNCHER"  # who started a rank: our launchers set it, and ranks read it
@@ -47,8 +45,9 @@ _FORWARDED = (signal.SIGINT, *SIGNALS)
 _ENDED = (0, PREEMPTED_EXIT_CODE)  # how a rank ends well: a rank that saved after a preemption notice exits 75
 
 
-def _die_with_parent() -> None:
-    # Linux: the kernel sends SIGKILL to this child when the process that started it dies, however it dies.
+def die_with_parent() -> None:
+    """Linux: ask the kernel to SIGKILL this process when the one that started it dies, however it dies. Usage: as
+    ``preexec_fn`` of a child, or first thing in a process that another started."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -90,9 +89,7 @@ def say(message: str) -> None:
 class Supervisor:
     """Runs ``command`` as ranks 0..processes-1 of one group (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ... in
     their environment, on top of ``env``) and restarts the group up to ``max_restarts`` times. ``port`` fixes the
-    main port (else each attempt takes a free one), ``address`` the main address (default: loopback). With
-    ``nodes`` (a ``NodeGroup``), this machine runs its share of the ranks of a run on several, in step with the
-    supervisors of the other nodes: the rendezvous port comes from node 0's, and a failure anywhere restarts all."""
+    main port (else each attempt takes a free one), ``address`` the main address (default: loopback)."""
 
     def __init__(
         self,
@@ -103,7 +100,6 @@ class Supervisor:
         deadline: float = DEFAULT_DEADLINE_S,
         port: int | None = None,
         address: str = "127.0.0.1",
-        nodes: NodeGroup | None = None,
     ) -> None:
         if processes < 1 or max_restarts < 0:
             raise ValueError(f"processes={processes} must be 1 or more and max_restarts={max_restarts} 0 or more.")
@@ -114,14 +110,11 @@ class Supervisor:
         self.deadline = deadline
         self.port = port  # None: a free one for every attempt
         self.address = address
-        self.nodes = nodes
-        self.node_rank = nodes.node_rank if nodes else 0
-        self.num_nodes = nodes.num_nodes if nodes else 1
         self.ranks: list[subprocess.Popen] = []
         self.signals: list[int] = []  # received, in order; one within SAME_NOTICE_S of the first is the same one
         self._first_signal_at = 0.0
-        self.notice = 0  # the preemption notice this run got, here or on another node
-        self.failures: list[Failure] = []  # every earlier attempt's, on every node: is the next one the same again?
+        self.notice = 0  # the first signal this run got (a preemption notice, or SIGINT)
+        self.failures: list[Failure] = []  # every earlier attempt's: is the next one the same again?
         self._records = ""  # the folder where each rank writes the exception that ended it (``failures``)
         self._held: list[int] | None = None  # signals come while ranks are being started: passed on once all are
 
@@ -130,65 +123,53 @@ class Supervisor:
         restarts are used up, or ``PREEMPTED_EXIT_CODE`` after a preemption notice."""
         signals.uninstall()  # a rank's policy (this process made a Fabric before?) must not take the notices too
         previous = {signum: signal.signal(signum, self._on_signal) for signum in _FORWARDED}
-        code, alone = 1, None  # alone: why this node ended the run without the others, if it did
         self._records = records_folder()
         try:
-            if self.nodes:
-                self.nodes.join()
             for attempt in range(self.max_restarts + 1):
                 if self.signals:  # a notice came while the group was being restarted: do not start it again
-                    code, alone = 128 + self.signals[0], f"received {signal.Signals(self.signals[0]).name}"
-                    return code
+                    return 128 + self.signals[0]
                 self._start(attempt)
-                code, alone = self._watch(attempt)
+                code = self._watch(attempt)
                 if code is not None:
                     return code
             raise AssertionError("unreachable: the last attempt always returns")
-        except NodeGroupError as error:
-            say(f"{error}; stopping every rank of node {self.node_rank}.")
-            code, alone = error.code, str(error)
-            return code
         finally:
             self._stop()
             shutil.rmtree(self._records, ignore_errors=True)
-            if self.nodes:
-                self.nodes.leave(code, alone)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
     def _start(self, attempt: int) -> None:
-        # A fresh rendezvous each time (a free port, or node 0's pick): nothing of the dead group is reused.
-        port = self.nodes.rendezvous_port(attempt) if self.nodes else self.port or free_port()
-        first = self.node_rank * self.processes
+        # A fresh rendezvous each time (a free port): nothing of the dead group is reused.
+        port = self.port or free_port()
         self.ranks = []
         # A signal that comes meanwhile reaches every rank once all are started: passed on at once, it would miss the
         # ranks started after it, which would then run on alone (a notice during a slow start, then exit 143).
         self._held = []
         try:
-            self._start_ranks(attempt, port, first)
+            self._start_ranks(attempt, port)
         finally:
             held, self._held = self._held, None
             for signum in held:
                 self._pass_on(signum)
 
-    def _start_ranks(self, attempt: int, port: int, first: int) -> None:
-        for local in range(self.processes):
+    def _start_ranks(self, attempt: int, port: int) -> None:
+        for rank in range(self.processes):
             env = {
                 **self.env,
-                **_rank_env(first + local, local, self.processes * self.num_nodes, self.node_rank, self.address, port),
+                **_rank_env(rank, rank, self.processes, 0, self.address, port),
                 LAUNCHER_ENV: "fabriclite run",
                 "LOCAL_WORLD_SIZE": str(self.processes),  # as torchrun sets them, for scripts that read them
-                "GROUP_RANK": str(self.node_rank),
+                "GROUP_RANK": "0",
                 RESTART_ENV: str(attempt),
-                FAILURE_FILE_ENV: self._record(attempt, first + local),
+                FAILURE_FILE_ENV: self._record(attempt, rank),
             }
             self.ranks.append(
-                subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=die_with_parent)
             )
 
-    def _watch(self, attempt: int) -> tuple[int | None, str | None]:
-        """Wait until the group ends: its exit code (None to start it again), and why this node ended the run on
-        its own (None when the nodes agreed on it)."""
+    def _watch(self, attempt: int) -> int | None:
+        """Wait until the group ends: its exit code, or None to start it again."""
         handled = 0
         stop_by = None
         while True:
@@ -200,52 +181,41 @@ class Supervisor:
                 if len(self.signals) > 2 or (len(self.signals) > 1 and signal.SIGINT in self.signals):
                     say(f"{name} received {'again' if len(self.signals) == 2 else 'a third time'}; killing every rank.")
                     self._stop()
-                    return 128 + self.signals[-1], f"received {name} {len(self.signals)} times"
+                    return 128 + self.signals[-1]
                 if len(self.signals) == 2 and handled < 2:  # the ranks take it too: they leave after their saves
                     say(f"{name} received again; the ranks exit once their saves under way have ended.")
                 handled = len(self.signals)
                 self.notice = self.signals[0]
-                if self.nodes and handled == 1 and self.signals[0] != signal.SIGINT:
-                    self.nodes.publish_preemption(self.signals[0])
-            if self.nodes:
-                self.nodes.check()
-                self.notice = self.notice or self.nodes.preempted()
             if self.notice and stop_by is None:
                 stop_by = time.monotonic() + self.deadline
             # A rank that saved after a notice exits 0 or 75; 75 also when the notice reached the ranks, not this. One
             # that the notice itself ended (it came before the rank's Fabric took notices) had nothing to save yet.
             ended_well = all(code in _ENDED or self._ended_by_notice(code) for code in codes)
-            if ended_well and (not self.nodes or self.nodes.finish(attempt)):
-                return (self._after_notice() if self.notice or PREEMPTED_EXIT_CODE in codes else 0), None
-            if self.notice and all(code is not None for code in codes) and not ended_well:
+            if ended_well:
+                return self._after_notice() if self.notice or PREEMPTED_EXIT_CODE in codes else 0
+            if self.notice and all(code is not None for code in codes):
                 self._stop()
-                return _first(codes), "a rank failed after the preemption notice"
-            failed = not self.notice and any(code not in (None, *_ENDED) for code in codes)
-            if failed or (not self.notice and self.nodes and self.nodes.stop_requested(attempt)):
-                return self._after_failure(attempt, failed), None
+                return _first(codes)  # a rank failed after the preemption notice
+            if not self.notice and any(code not in (None, *_ENDED) for code in codes):
+                return self._after_failure(attempt)
             if stop_by is not None and time.monotonic() > stop_by:
                 say(f"the ranks did not exit within {self.deadline:g} s of the preemption notice; killing them.")
                 self._stop()
-                return 128 + self.notice, "its ranks missed the preemption deadline"
+                return 128 + self.notice
             time.sleep(0.1)
 
-    def _after_failure(self, attempt: int, here: bool) -> int | None:
-        """Stop every rank (on every node) after a rank died (``here``: on this node): the exit code of the rank that
-        failed first, or None to start the group again. A failure that repeats an earlier attempt's ends the run."""
-        codes = self._codes_after_a_failure() if here else [rank.poll() for rank in self.ranks]
-        start = self.node_rank * self.processes
+    def _after_failure(self, attempt: int) -> int | None:
+        """Stop every rank after one died: the exit code of the rank that failed first, or None to start the group
+        again. A failure that repeats an earlier attempt's ends the run."""
+        codes = self._codes_after_a_failure()
         failures = [
-            read(self._record(attempt, start + local), start + local, code)
-            for local, code in enumerate(codes)
+            read(self._record(attempt, rank), rank, code)
+            for rank, code in enumerate(codes)
             if code not in (None, *_ENDED)
         ]
         self._stop()
-        if self.nodes:
-            node, failure, failures = self.nodes.stop(attempt, failures)
-            who = failure.describe(node)
-        else:
-            failure = first(failures)
-            who = failure.describe()
+        failure = first(failures)
+        who = failure.describe()
         previous, self.failures = self.failures, self.failures + failures
         if attempt < self.max_restarts and repeats(failure, previous):
             newest = f"its newest is still save number {failure.progress}" if failure.progress else "it has none yet"
@@ -285,11 +255,10 @@ class Supervisor:
             if self._ended_by_notice(rank.poll()):
                 how = how_it_ended(rank.poll())
                 say(
-                    f"rank {self.node_rank * self.processes + local} {how} before it took notices (its Fabric did not "
+                    f"rank {local} {how} before it took notices (its Fabric did not "
                     "exist yet), so it had nothing to save; the newest complete checkpoint is the one to resume from."
                 )
-        # One requeue for the whole job: node 0's.
-        if self.node_rank != 0 or not requeue(say=lambda message: print(message, file=sys.stderr, flush=True)):
+        if not requeue(say=lambda message: print(message, file=sys.stderr, flush=True)):
             say(f"preempted; every rank exited after saving. Exit code {PREEMPTED_EXIT_CODE}: run it again to resume.")
         return PREEMPTED_EXIT_CODE
 

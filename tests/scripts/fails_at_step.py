@@ -4,7 +4,8 @@ the same error at the same step of every attempt (MODE "same"), two errors by tu
 collective with it (and fails on the closed connection).
 
 Saves every 5 steps; rank 1 raises at step 7 (+ 5 per attempt with MODE "later").
-Usage: ``fabriclite run --accelerator cpu --devices 2 --max-restarts N fails_at_step.py same|alternating|later FOLDER``.
+Usage: ``fabriclite run --accelerator cpu --devices 2 --max-restarts N fails_at_step.py same|alternating|later FOLDER``
+(also with ``--num-nodes 2``, MODE "same", in tests/test_long_runs_nodes.py).
 """
 
 import os
@@ -20,8 +21,9 @@ fabric = Fabric()
 fabric.launch()
 state = {"step": 0}
 resumed = fabric.load_latest(folder, state)
-fabric.print(f"attempt {os.environ['FABRICLITE_RESTART_COUNT']} resumed at step {state['step']}", flush=True)
-attempt = int(os.environ["FABRICLITE_RESTART_COUNT"])
+# `fabriclite run` on one machine counts the attempts; across machines, torch's agent of each node counts its own.
+attempt = int(os.environ.get("FABRICLITE_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+fabric.print(f"attempt {attempt} resumed at step {state['step']}", flush=True)
 fail_at = 7 + (5 * attempt if mode == "later" else 0)
 error = "this batch cannot be trained on" if mode != "alternating" or attempt % 2 == 0 else "nor can this one"
 while state["step"] < 30:
