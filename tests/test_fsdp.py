@@ -46,6 +46,10 @@ CHECKS = [
     "an inf in one rank's shard makes every rank skip",
     "every rank backs off the scale",
     "after a skip the next step applies on every rank",
+    "16-mixed: the user's GradScaler backs off on every rank",
+    "16-mixed: a checkpoint restores into the user's GradScaler",
+    "16-true: the user's ShardedGradScaler backs off on every rank",
+    "16-true: a checkpoint restores into the user's ShardedGradScaler",
 ]
 RANK_ZERO_CHECKS = ["a full checkpoint is one file of plain tensors that torch.load reads"]
 ONE_PROCESS_CHECKS = [
