@@ -373,6 +373,33 @@ def test_a_directory_without_fabriclite_structure_is_refused_by_name(tmp_path):
     assert caught.value.reason == "not a checkpoint"
 
 
+OVERLAP_CHECKS = [
+    "a block's optimizer steps before the backward reaches the first layer",
+    "no gradient is left after the block",
+    "overlapping the step with backward trains as stepping after it",
+    "under no_backward_sync the steps wait for the backward that syncs",
+    "one optimizer over the whole model steps once per backward",
+    "an optimizer over another model's parameters is refused",
+    "a loss scaler is refused, saying what to use",
+]
+
+
+def test_fsdp_overlap_step_with_backward_steps_inside_the_backward_and_trains_as_stepping_after_it():
+    out = run_python(str(SCRIPTS / "fsdp_overlap.py"), timeout=300).stdout
+    assert_passed(out, OVERLAP_CHECKS)
+
+
+def test_fsdp_overlap_step_with_backward_refuses_a_model_fsdp_did_not_shard_saying_what_to_do():
+    from fabriclite.strategies.fsdp import fsdp_overlap_step_with_backward  # Lightning's import path
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(
+        TypeError, match="takes the model fabric.setup returned under FSDPStrategy.*step after backward"
+    ):
+        with fsdp_overlap_step_with_backward(torch.optim.SGD(model.parameters(), lr=0.1), model):
+            pass
+
+
 def test_compile_under_fsdp_compiles_each_block_and_the_root_only_when_whole_without_graph_breaks():
     out = run_python(str(SCRIPTS / "compile_checks.py"), timeout=240).stdout
     for name in (

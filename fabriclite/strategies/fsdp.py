@@ -22,6 +22,8 @@ Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one
   Without empty init, every rank takes its slice of rank 0's weights, as DDP broadcasts them.
 - Checkpoints: ``state_dict_type`` picks the format in ``fabriclite.checkpoint``: "sharded", a folder every rank
   writes its shards into, or "full", one file from rank 0 in the form a one-process checkpoint has.
+- ``fsdp_overlap_step_with_backward`` (Lightning's path): the optimizers step inside the backward, from the
+  post-accumulate-grad hooks FSDP2 runs once it has reduced a parameter's gradient.
 
 The mesh is built in ``mesh.py``; what FSDP shares with ``ModelParallelStrategy`` (its sibling, as in Lightning:
 choosing the units, the empty init, the setup around sharding, skipping gradient sync) is in ``sharding.py``; the
@@ -30,8 +32,9 @@ loss scaler that agrees across ranks is the precision's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import nullcontext
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
@@ -391,3 +394,77 @@ def _offload_policy(value: Any) -> tuple[bool, CPUOffloadPolicy | None]:
     raise TypeError(
         f"cpu_offload={value!r} must be a bool, a torch.distributed.fsdp.CPUOffloadPolicy or FSDP1's CPUOffload."
     )
+
+
+@contextmanager
+def fsdp_overlap_step_with_backward(
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], fabric_module: nn.Module
+) -> Iterator[None]:
+    """Step each optimizer inside the backward, as soon as FSDP2 has reduced the gradients of all its parameters,
+    then free those gradients (``zero_grad``): the gradients of the whole model never exist at once.
+
+    FSDP2 runs a parameter's post-accumulate-grad hooks right after it reduce-scatters the parameter's gradient
+    into its shard (torch >= 2.5), so the step overlaps the backward of the layers still to come. Give each
+    parameter (or each layer) its own optimizer, as Lightning's recipe does, or nothing is freed early. An optimizer
+    a backward gave no gradient to (an unused layer, or inside ``fabric.no_backward_sync``) steps when the block
+    ends, so every optimizer steps once per backward; under ``no_backward_sync`` FSDP2 keeps the gradients to
+    itself until the backward that syncs, whose hooks then step with the accumulated sum.
+
+    Refused with a loss scaler (fp16): the scaler must see every gradient for an inf before any step may run. The
+    gradients are gone once the block ends, so there is no ``clip_gradients`` either.
+
+    Usage: ``with fsdp_overlap_step_with_backward(optimizers, model): fabric.backward(loss)`` (no ``step()`` after).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    if not any(isinstance(m, FSDPModule) for m in fabric_module.modules()):
+        raise TypeError(
+            "fsdp_overlap_step_with_backward(optimizers, model) takes the model fabric.setup returned under "
+            f"FSDPStrategy; got {type(fabric_module).__name__} without FSDP units. Without FSDP, step after backward."
+        )
+    precision = getattr(fabric_module, "_precision", None)
+    if getattr(precision, "scaler", None) is not None:
+        raise RuntimeError(
+            f"fsdp_overlap_step_with_backward cannot step inside the backward with precision {precision.name!r}: its "
+            "loss scaler must find an inf in any gradient before any optimizer steps. Use precision='bf16-mixed' "
+            "(no scaler), or call fabric.backward(loss) and then optimizer.step() as usual."
+        )
+    params = {id(p) for p in fabric_module.parameters()}
+    owner: dict[int, torch.optim.Optimizer] = {}  # id(parameter) -> the optimizer that steps it
+    pending: dict[int, set[int]] = {}  # id(optimizer) -> its parameters whose gradient this backward has not given
+    for optimizer in optimizers:
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        if not mine <= params or mine & owner.keys():
+            raise ValueError(
+                f"{type(optimizer).__name__} holds parameters that are not the sharded model's, or that another of "
+                "the optimizers holds too. Set the optimizers up with the model (fabric.setup(model, *optimizers) "
+                "or fabric.setup_optimizers after fabric.setup_module), each over parameters of its own."
+            )
+        owner.update(dict.fromkeys(mine, optimizer))
+        pending[id(optimizer)] = mine
+    lock = threading.Lock()  # on CUDA the autograd engine runs the hooks on threads of its own
+
+    def step(optimizer: torch.optim.Optimizer) -> None:
+        del pending[id(optimizer)]
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def ready(param: torch.Tensor) -> None:
+        with lock:
+            optimizer = owner[id(param)]
+            left = pending.get(id(optimizer))
+            if left is not None:
+                left.discard(id(param))
+                if not left:
+                    step(optimizer)
+
+    handles = [p.register_post_accumulate_grad_hook(ready) for p in fabric_module.parameters() if id(p) in owner]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    for optimizer in optimizers:
+        if id(optimizer) in pending:
+            step(optimizer)
