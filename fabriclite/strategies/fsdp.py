@@ -4,8 +4,9 @@ weights only while that block runs (``torch.distributed.fsdp.fully_shard``; para
 Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one). The choices made here:
 
 - Units: by default each block that repeats in an ``nn.ModuleList``/``nn.Sequential`` (transformer blocks) is one
-  ``fully_shard`` unit, then the root takes the rest. After sharding, every rank takes its slice of rank 0's
-  weights, as DDP broadcasts rank 0's.
+  ``fully_shard`` unit, then the root takes the rest; an ``auto_wrap_policy`` in any of FSDP1's forms picks the
+  modules FSDP1 would wrap instead. After sharding, every rank takes its slice of rank 0's weights, as DDP
+  broadcasts rank 0's.
 - Mixed precision: FSDP casts the parameters to the precision's ``param_dtype`` (bf16/fp16) before gathering them (half the traffic and the gathered
   memory), and the precision's autocast stays on around the forward: it finds those weights already in the low
   dtype, so nothing is cast twice, and it keeps covering what FSDP's cast does not (softmax, norms and losses stay
@@ -25,9 +26,10 @@ Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one
 - ``fsdp_overlap_step_with_backward`` (Lightning's path): the optimizers step inside the backward, from the
   post-accumulate-grad hooks FSDP2 runs once it has reduced a parameter's gradient.
 
-The mesh is built in ``mesh.py``; what FSDP shares with ``ModelParallelStrategy`` (its sibling, as in Lightning:
-choosing the units, the empty init, the setup around sharding, skipping gradient sync) is in ``sharding.py``; the
-loss scaler that agrees across ranks is the precision's.
+The mesh is built in ``mesh.py``; the wrap policies that choose the units and the checkpointed modules in
+``policies.py``; what FSDP shares with ``ModelParallelStrategy`` (its sibling, as in Lightning: the empty init, the
+setup around sharding, skipping gradient sync) is in ``sharding.py``; the loss scaler that agrees across ranks is
+the precision's.
 """
 
 from __future__ import annotations
