@@ -384,6 +384,7 @@ OVERLAP_CHECKS = [
 ]
 
 
+@pytest.mark.torch_versions  # FSDP2 running post-accumulate-grad hooks after its reduce-scatter, on each torch
 def test_fsdp_overlap_step_with_backward_steps_inside_the_backward_and_trains_as_stepping_after_it():
     out = run_python(str(SCRIPTS / "fsdp_overlap.py"), timeout=300).stdout
     assert_passed(out, OVERLAP_CHECKS)

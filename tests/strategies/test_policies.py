@@ -207,6 +207,7 @@ POLICY_CHECKS = [
 ]
 
 
+@pytest.mark.torch_versions  # FSDP1's policy objects and auto-wrap code, on each torch
 def test_every_policy_form_shards_and_trains_on_two_processes_as_fsdp1_would_wrap():
     out = run_python(str(SCRIPTS / "wrap_policies.py"), timeout=300).stdout
     assert_passed(
