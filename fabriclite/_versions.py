@@ -338,12 +338,18 @@ def device_constructors() -> set[Callable[..., Any]]:
     return _device_constructors()
 
 
-def checkpoint_activations(module: torch.nn.Module) -> None:
-    """Recompute ``module``'s activations in backward instead of keeping them (the composable ``checkpoint``,
-    which FSDP2 composes with). Usage: ``checkpoint_activations(block)``."""
+def checkpoint_activations(module: torch.nn.Module, **options: Any) -> None:
+    """Recompute ``module``'s activations in backward instead of keeping them (the composable ``checkpoint``, which
+    FSDP2 composes with; ``options`` are its own). Usage: ``checkpoint_activations(block, preserve_rng_state=False)``."""
     from torch.distributed._composable import checkpoint
 
-    checkpoint(module)
+    checkpoint(module, **options)
+
+
+def fsdp1_policy_targets(policy: Any, root: torch.nn.Module) -> dict[torch.nn.Module, dict[str, Any]]:
+    """The modules under ``root`` an FSDP1 policy object (``ModuleWrapPolicy``, ``CustomPolicy``) picks, each with
+    the keyword arguments it gives it, as FSDP1 runs it. Usage: ``fsdp1_policy_targets(CustomPolicy(fn), model)``."""
+    return policy._run_policy(root, set(), {})
 
 
 def average_gradients_on_gloo(module: torch.nn.Module) -> None:

@@ -46,6 +46,10 @@ CHECKS = [
     "an inf in one rank's shard makes every rank skip",
     "every rank backs off the scale",
     "after a skip the next step applies on every rank",
+    "16-mixed: the user's GradScaler backs off on every rank",
+    "16-mixed: a checkpoint restores into the user's GradScaler",
+    "16-true: the user's ShardedGradScaler backs off on every rank",
+    "16-true: a checkpoint restores into the user's ShardedGradScaler",
 ]
 RANK_ZERO_CHECKS = ["a full checkpoint is one file of plain tensors that torch.load reads"]
 ONE_PROCESS_CHECKS = [
@@ -199,6 +203,9 @@ class Block(nn.Module):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
 
+    def forward(self, x):
+        return self.mlp(x)
+
 
 class Net(nn.Module):
     def __init__(self):
@@ -224,7 +231,7 @@ def test_default_units_skip_parameterless_repeats_and_single_layers():
     [
         ({"state_dict_type": "shard"}, ValueError, "Valid choices: 'sharded', 'full'"),
         ({"auto_wrap_policy": {int}}, TypeError, "must hold nn.Module subclasses"),
-        ({"activation_checkpointing_policy": 3}, TypeError, "set of nn.Module classes or a function"),
+        ({"activation_checkpointing_policy": 3}, TypeError, "none of the forms a policy takes"),
         ({"mixed_precision": "bf16"}, TypeError, "MixedPrecisionPolicy"),
     ],
 )
@@ -246,7 +253,8 @@ def test_fsdp1_arguments_litgpt_passes_are_accepted_with_one_warning_saying_fsdp
     messages = [str(w.message) for w in caught if "FSDP2" in str(w.message)]
     assert len(messages) == 1
     assert "no setting for limit_all_gathers, use_orig_params, so they are ignored" in messages[0]
-    assert strategy.checkpoint_policy(Block()) and strategy.cpu_offload is False
+    net = Net()
+    assert list(strategy.checkpoint_policy.select(net)) == list(net.blocks) and strategy.cpu_offload is False
     assert strategy.state_dict_type == "full"
 
 
@@ -270,7 +278,10 @@ def test_fsdp1_objects_are_translated_to_their_fsdp2_policies():
     assert FSDPStrategy(cpu_offload=own)._offload_policy is own
     with pytest.warns(UserWarning, match="mixed_precision.buffer_dtype: FSDP2 leaves buffers in their own dtype"):
         FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
-    assert FSDPStrategy(activation_checkpointing=nn.Linear).checkpoint_policy(nn.Linear(1, 1))
+    linear = nn.Linear(1, 1)
+    assert list(FSDPStrategy(activation_checkpointing=nn.Linear).checkpoint_policy.select(nn.Sequential(linear))) == [
+        linear
+    ]
 
 
 @pytest.mark.parametrize(
@@ -294,6 +305,56 @@ def test_fsdp1_arguments_without_an_fsdp2_meaning_are_refused_saying_what_to_use
         FSDPStrategy(**kwargs)
 
 
+def test_a_custom_policys_settings_for_a_unit_become_fully_shard_arguments_and_others_are_refused():
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    from fabriclite.strategies.fsdp import _unit_options
+    from fabriclite.strategies.policies import WrapPolicy
+
+    policy = WrapPolicy(CustomPolicy(lambda m: True), "auto_wrap_policy")
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert _unit_options({"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}, policy, "flat") == {
+        "reshard_after_forward": False
+    }
+    assert _unit_options({"sharding_strategy": "HYBRID_SHARD"}, policy, "hybrid") == {"reshard_after_forward": True}
+    assert _unit_options({"mixed_precision": None, "limit_all_gathers": True}, policy, "flat") == {
+        "mp_policy": MixedPrecisionPolicy()  # FSDP1's None: this unit in full precision
+    }
+    assert (
+        _unit_options({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, policy, "flat")[
+            "mp_policy"
+        ].param_dtype
+        == torch.bfloat16
+    )
+    assert _unit_options({"mp_policy": bf16, "reshard_after_forward": 2}, policy, "flat") == {
+        "mp_policy": bf16,
+        "reshard_after_forward": 2,
+    }
+    with pytest.raises(
+        ValueError, match="sharding_strategy='HYBRID_SHARD' for a unit.*may take 'FULL_SHARD' or 'SHARD_GRAD_OP'"
+    ):
+        _unit_options({"sharding_strategy": "HYBRID_SHARD"}, policy, "flat")
+    with pytest.raises(ValueError, match="returned cpu_offload=True for a unit.*set it on FSDPStrategy"):
+        _unit_options({"cpu_offload": True}, policy, "flat")
+
+
+def test_a_custom_checkpointing_policys_settings_are_torch_checkpoint_options_and_reentrancy_is_refused():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    from fabriclite.strategies.fsdp import _checkpoint_options
+    from fabriclite.strategies.policies import WrapPolicy
+
+    policy = WrapPolicy(CustomPolicy(lambda m: True), "activation_checkpointing_policy")
+    given = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT, "preserve_rng_state": False, "use_reentrant": False}
+    assert _checkpoint_options(given, policy) == {"preserve_rng_state": False, "use_reentrant": False}
+    with pytest.raises(ValueError, match="reentrant checkpointing, which does not compose with FSDP2"):
+        _checkpoint_options({"checkpoint_impl": CheckpointImpl.REENTRANT}, policy)
+    with pytest.raises(ValueError, match="returned checkpoint_fn for a module.*preserve_rng_state"):
+        _checkpoint_options({"checkpoint_fn": print}, policy)
+
+
 def test_fsdp_and_model_parallel_are_siblings_as_in_lightning():
     from fabriclite.strategies import ModelParallelStrategy, ParallelStrategy
 
@@ -310,6 +371,34 @@ def test_a_directory_without_fabriclite_structure_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=f"{tmp_path}.*structure.pt") as caught:
         load_checkpoint(tmp_path, None, verify=False)
     assert caught.value.reason == "not a checkpoint"
+
+
+OVERLAP_CHECKS = [
+    "a block's optimizer steps before the backward reaches the first layer",
+    "no gradient is left after the block",
+    "overlapping the step with backward trains as stepping after it",
+    "under no_backward_sync the steps wait for the backward that syncs",
+    "one optimizer over the whole model steps once per backward",
+    "an optimizer over another model's parameters is refused",
+    "a loss scaler is refused, saying what to use",
+]
+
+
+@pytest.mark.torch_versions  # FSDP2 running post-accumulate-grad hooks after its reduce-scatter, on each torch
+def test_fsdp_overlap_step_with_backward_steps_inside_the_backward_and_trains_as_stepping_after_it():
+    out = run_python(str(SCRIPTS / "fsdp_overlap.py"), timeout=300).stdout
+    assert_passed(out, OVERLAP_CHECKS)
+
+
+def test_fsdp_overlap_step_with_backward_refuses_a_model_fsdp_did_not_shard_saying_what_to_do():
+    from fabriclite.strategies.fsdp import fsdp_overlap_step_with_backward  # Lightning's import path
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(
+        TypeError, match="takes the model fabric.setup returned under FSDPStrategy.*step after backward"
+    ):
+        with fsdp_overlap_step_with_backward(torch.optim.SGD(model.parameters(), lr=0.1), model):
+            pass
 
 
 def test_compile_under_fsdp_compiles_each_block_and_the_root_only_when_whole_without_graph_breaks():

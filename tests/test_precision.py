@@ -446,6 +446,37 @@ def test_precision_plugins_refuse_names_and_scalers_they_do_not_take():
     assert MixedPrecision("16-mixed", "cpu", scaler=scaler).scaler is scaler
 
 
+def test_a_true_fp16_precision_refuses_at_construction_a_scaler_that_cannot_unscale_fp16_gradients():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from fabriclite.plugins import FSDPPrecision, HalfPrecision
+
+    # Before, accepted; the first step then failed with "Attempting to unscale FP16 gradients".
+    for build in (FSDPPrecision, HalfPrecision):
+        with pytest.raises(ValueError, match=r"precision=.16-true. with scaler=GradScaler.*Pass a .*ShardedGradScaler"):
+            build("16-true", scaler=torch.amp.GradScaler("cpu"))
+    sharded, off = ShardedGradScaler("cpu"), torch.amp.GradScaler("cpu", enabled=False)
+    assert FSDPPrecision("16-true", scaler=sharded).scaler is sharded
+    assert HalfPrecision("16-true", scaler=off).scaler is off  # a disabled scaler never unscales
+    plain = torch.amp.GradScaler("cpu")
+    assert FSDPPrecision("16-mixed", scaler=plain).scaler is plain  # fp32 weights: fp32 gradients to unscale
+
+
+def test_the_users_scaler_is_the_one_that_steps_and_its_state_is_what_a_checkpoint_holds(tmp_path):
+    user = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    fabric = Fabric(accelerator="cpu", plugins=[precision_module.MixedPrecision("16-mixed", "cpu", scaler=user)])
+    model = tiny()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.backward(model(torch.ones(2, 4)).sum() * float("inf"))
+    optimizer.step()
+    assert fabric._precision.scaler is user and user.get_scale() == 512.0
+    fabric.save(tmp_path / "ckpt", {"model": model})
+    fresh_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    fresh = Fabric(accelerator="cpu", plugins=[precision_module.MixedPrecision("16-mixed", "cpu", scaler=fresh_scaler)])
+    fresh.load(tmp_path / "ckpt", {"model": fresh.setup(tiny())})
+    assert fresh_scaler.get_scale() == 512.0
+
+
 @pytest.mark.parametrize(
     ("mode", "layer", "stored"), [("nf4", "Linear4bit", torch.uint8), ("int8", "Linear8bitLt", torch.int8)]
 )

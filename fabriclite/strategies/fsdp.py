@@ -4,8 +4,9 @@ weights only while that block runs (``torch.distributed.fsdp.fully_shard``; para
 Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one). The choices made here:
 
 - Units: by default each block that repeats in an ``nn.ModuleList``/``nn.Sequential`` (transformer blocks) is one
-  ``fully_shard`` unit, then the root takes the rest. After sharding, every rank takes its slice of rank 0's
-  weights, as DDP broadcasts rank 0's.
+  ``fully_shard`` unit, then the root takes the rest; an ``auto_wrap_policy`` in any of FSDP1's forms picks the
+  modules FSDP1 would wrap instead. After sharding, every rank takes its slice of rank 0's weights, as DDP
+  broadcasts rank 0's.
 - Mixed precision: FSDP casts the parameters to the precision's ``param_dtype`` (bf16/fp16) before gathering them (half the traffic and the gathered
   memory), and the precision's autocast stays on around the forward: it finds those weights already in the low
   dtype, so nothing is cast twice, and it keeps covering what FSDP's cast does not (softmax, norms and losses stay
@@ -22,16 +23,20 @@ Runs on CPU with gloo and on CUDA with NCCL, also on one process (a group of one
   Without empty init, every rank takes its slice of rank 0's weights, as DDP broadcasts them.
 - Checkpoints: ``state_dict_type`` picks the format in ``fabriclite.checkpoint``: "sharded", a folder every rank
   writes its shards into, or "full", one file from rank 0 in the form a one-process checkpoint has.
+- ``fsdp_overlap_step_with_backward`` (Lightning's path): the optimizers step inside the backward, from the
+  post-accumulate-grad hooks FSDP2 runs once it has reduced a parameter's gradient.
 
-The mesh is built in ``mesh.py``; what FSDP shares with ``ModelParallelStrategy`` (its sibling, as in Lightning:
-choosing the units, the empty init, the setup around sharding, skipping gradient sync) is in ``sharding.py``; the
-loss scaler that agrees across ranks is the precision's.
+The mesh is built in ``mesh.py``; the wrap policies that choose the units and the checkpointed modules in
+``policies.py``; what FSDP shares with ``ModelParallelStrategy`` (its sibling, as in Lightning: the empty init, the
+setup around sharding, skipping gradient sync) is in ``sharding.py``; the loss scaler that agrees across ranks is
+the precision's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import nullcontext
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
@@ -46,16 +51,15 @@ from fabriclite.checkpoint import CheckpointIO
 from fabriclite.choices import STATE_DICT_TYPES
 from fabriclite.plugins.environments import ClusterEnvironment
 from fabriclite.rank_zero import rank_zero_warn
-from fabriclite.strategies.mesh import sharding_choice, sharding_mesh
+from fabriclite.strategies.mesh import SHARDING_STRATEGIES, sharding_choice, sharding_mesh
 from fabriclite.strategies.parallel import ParallelStrategy
+from fabriclite.strategies.policies import ModulePolicy, module_policy
 from fabriclite.strategies.sharding import (
-    ModulePolicy,
     ShardedSetup,
     compile_units,
     has_meta,
     materialize,
     meta_init,
-    module_policy,
     no_gradient_sync,
 )
 from fabriclite._versions import checkpoint_activations
@@ -87,10 +91,12 @@ FSDP1_REFUSED = {
 class FSDPStrategy(ParallelStrategy):
     """Fully sharded data parallel with FSDP2 on gloo (CPU) or nccl (CUDA).
 
-    - ``auto_wrap_policy``: the layer classes (or a ``module -> bool`` function) that become sharding units; by
-      default the blocks that repeat in an ``nn.ModuleList``/``nn.Sequential``.
-    - ``activation_checkpointing_policy``: layer classes whose activations are recomputed in backward
-      (``activation_checkpointing``, Lightning's older name, is the same).
+    - ``auto_wrap_policy``: the modules that become sharding units, in any form Lightning and torch take (layer
+      classes, a ``module -> bool`` function, torch's FSDP1 policy functions and their ``functools.partial``s,
+      ``ModuleWrapPolicy``/``CustomPolicy``; ``policies.py``), each meaning what it means to FSDP1; by default the
+      blocks that repeat in an ``nn.ModuleList``/``nn.Sequential``.
+    - ``activation_checkpointing_policy``: the modules whose activations are recomputed in backward, in the same
+      forms (``activation_checkpointing``, Lightning's older name, is the same).
     - ``mixed_precision``: an FSDP2 ``MixedPrecisionPolicy`` (or FSDP1's ``MixedPrecision``, translated); by
       default from the Fabric precision: its ``param_dtype`` ("bf16-mixed": bf16, "16-mixed": fp16) for the
       gathered parameters, fp32 gradient reduction.
@@ -195,14 +201,12 @@ class FSDPStrategy(ParallelStrategy):
 
     def _shard(self, module: nn.Module) -> nn.Module:
         # Activation checkpointing, then one fully_shard per unit (innermost first), then the root.
-        if self.checkpoint_policy is not None:
-            for block in [m for m in module.modules() if m is not module and self.checkpoint_policy(m)]:
-                checkpoint_activations(block)
+        checkpointed = {} if self.checkpoint_policy is None else self.checkpoint_policy.select(module)
         units = (
-            repeated_blocks(module)
-            if self.wrap_policy is None
-            else [m for m in module.modules() if m is not module and self.wrap_policy(m)]
+            dict.fromkeys(repeated_blocks(module), {}) if self.wrap_policy is None else self.wrap_policy.select(module)
         )
+        for block, overrides in checkpointed.items():
+            checkpoint_activations(block, **_checkpoint_options(overrides, self.checkpoint_policy))
         options = {
             "mesh": self.mesh,
             "reshard_after_forward": self.reshard_after_forward,
@@ -210,12 +214,19 @@ class FSDPStrategy(ParallelStrategy):
             "offload_policy": self._offload_policy
             or (CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()),
         }
+        unit_options = {unit: _unit_options(o, self.wrap_policy, self.mesh_kind) for unit, o in units.items() if o}
+        ignored = sorted({key for overrides in units.values() for key in overrides if key in FSDP1_IGNORED})
+        if ignored:
+            rank_zero_warn(
+                f"auto_wrap_policy returned {', '.join(ignored)} for some units; FSDP2 has no such setting, so "
+                "they are ignored (docs/strategies.md, Lightning's FSDP1 arguments, says why)."
+            )
         # Innermost first: a unit's parameters must not be claimed by an outer one. After an empty init, each unit
         # gets storage just before it is sharded, so one unit at a time is ever whole.
-        for unit in [*reversed(units), module]:
+        for unit in [*units, module]:
             if has_meta(unit):
                 self._sharding.uninitialized += materialize(unit, self._materialize_device)
-            fully_shard(unit, **options)
+            fully_shard(unit, **{**options, **unit_options.get(unit, {})})
         return module
 
     @property
@@ -294,6 +305,59 @@ def _check_fsdp1_kwargs(kwargs: dict[str, Any]) -> list[tuple[str, str]]:
     return [(name, FSDP1_IGNORED[name]) for name in kwargs]
 
 
+def _unit_options(overrides: dict[str, Any], policy: Any, mesh_kind: str) -> dict[str, Any]:
+    """``fully_shard``'s keyword arguments for one unit, from those a ``CustomPolicy`` returned for it: FSDP2's own
+    ``reshard_after_forward`` and ``mp_policy``, or FSDP1's ``sharding_strategy`` (one that keeps the strategy's
+    mesh) and ``mixed_precision`` (None: this unit in full precision). ``FSDP1_IGNORED`` keys are left out."""
+    options: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if key == "reshard_after_forward":
+            options[key] = value
+        elif key in ("mp_policy", "mixed_precision"):
+            options["mp_policy"] = MixedPrecisionPolicy() if value is None else _mixed_precision_policy(value)[0]
+        elif key == "sharding_strategy":
+            resharding, kind = SHARDING_STRATEGIES.get(getattr(value, "name", value), (None, None))
+            if kind != mesh_kind:
+                same = [name for name, (_, k) in SHARDING_STRATEGIES.items() if k == mesh_kind]
+                raise ValueError(
+                    f"{policy.what}={policy.policy!r} returned sharding_strategy={value!r} for a unit, but every unit "
+                    f"shards over the strategy's one mesh: a unit may take {' or '.join(map(repr, same))} (whether "
+                    "it frees its gathered weights after forward). Set the mesh on FSDPStrategy(sharding_strategy=...)."
+                )
+            options["reshard_after_forward"] = resharding
+        elif key not in FSDP1_IGNORED:
+            raise ValueError(
+                f"{policy.what}={policy.policy!r} returned {key}={value!r} for a unit, which FSDP2 cannot set per "
+                "unit. A CustomPolicy's function may return True, False, or a dict of: reshard_after_forward, "
+                "mp_policy, sharding_strategy, mixed_precision (and FSDP1 settings FSDP2 ignores: "
+                f"{', '.join(FSDP1_IGNORED)}). cpu_offload applies to the whole model: set it on FSDPStrategy."
+            )
+    return options
+
+
+# The composable checkpoint's own options, which a CustomPolicy for activation_checkpointing_policy may return
+# (FSDP1's checkpoint_wrapper passed them on to torch.utils.checkpoint the same way).
+CHECKPOINT_OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop", "use_reentrant")
+
+
+def _checkpoint_options(overrides: dict[str, Any], policy: Any) -> dict[str, Any]:
+    """The options of one module's activation checkpointing, from those a ``CustomPolicy`` returned for it."""
+    options = dict(overrides)
+    implementation = options.pop("checkpoint_impl", None)  # FSDP1's checkpoint_wrapper: only the non-reentrant one
+    if getattr(implementation, "name", "NO_REENTRANT") != "NO_REENTRANT" or options.get("use_reentrant"):
+        raise ValueError(
+            f"{policy.what}={policy.policy!r} asked for reentrant checkpointing, which does not compose with FSDP2. "
+            "Leave checkpoint_impl and use_reentrant out: fabriclite checkpoints without reentrancy."
+        )
+    unknown = [key for key in options if key not in CHECKPOINT_OPTIONS]
+    if unknown:
+        raise ValueError(
+            f"{policy.what}={policy.policy!r} returned {', '.join(unknown)} for a module; a CustomPolicy's function "
+            f"may return True, False, or a dict of: {', '.join(CHECKPOINT_OPTIONS)} (torch.utils.checkpoint's)."
+        )
+    return options
+
+
 def _mixed_precision_policy(value: Any) -> tuple[MixedPrecisionPolicy | None, list[tuple[str, str]]]:
     """An FSDP2 ``MixedPrecisionPolicy`` for ``mixed_precision`` (FSDP1's ``MixedPrecision`` translated), and the
     FSDP1 settings FSDP2 has no place for."""
@@ -332,3 +396,77 @@ def _offload_policy(value: Any) -> tuple[bool, CPUOffloadPolicy | None]:
     raise TypeError(
         f"cpu_offload={value!r} must be a bool, a torch.distributed.fsdp.CPUOffloadPolicy or FSDP1's CPUOffload."
     )
+
+
+@contextmanager
+def fsdp_overlap_step_with_backward(
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], fabric_module: nn.Module
+) -> Iterator[None]:
+    """Step each optimizer inside the backward, as soon as FSDP2 has reduced the gradients of all its parameters,
+    then free those gradients (``zero_grad``): the gradients of the whole model never exist at once.
+
+    FSDP2 runs a parameter's post-accumulate-grad hooks right after it reduce-scatters the parameter's gradient
+    into its shard (torch >= 2.5), so the step overlaps the backward of the layers still to come. Give each
+    parameter (or each layer) its own optimizer, as Lightning's recipe does, or nothing is freed early. An optimizer
+    a backward gave no gradient to (an unused layer, or inside ``fabric.no_backward_sync``) steps when the block
+    ends, so every optimizer steps once per backward; under ``no_backward_sync`` FSDP2 keeps the gradients to
+    itself until the backward that syncs, whose hooks then step with the accumulated sum.
+
+    Refused with a loss scaler (fp16): the scaler must see every gradient for an inf before any step may run. The
+    gradients are gone once the block ends, so there is no ``clip_gradients`` either.
+
+    Usage: ``with fsdp_overlap_step_with_backward(optimizers, model): fabric.backward(loss)`` (no ``step()`` after).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    if not any(isinstance(m, FSDPModule) for m in fabric_module.modules()):
+        raise TypeError(
+            "fsdp_overlap_step_with_backward(optimizers, model) takes the model fabric.setup returned under "
+            f"FSDPStrategy; got {type(fabric_module).__name__} without FSDP units. Without FSDP, step after backward."
+        )
+    precision = getattr(fabric_module, "_precision", None)
+    if getattr(precision, "scaler", None) is not None:
+        raise RuntimeError(
+            f"fsdp_overlap_step_with_backward cannot step inside the backward with precision {precision.name!r}: its "
+            "loss scaler must find an inf in any gradient before any optimizer steps. Use precision='bf16-mixed' "
+            "(no scaler), or call fabric.backward(loss) and then optimizer.step() as usual."
+        )
+    params = {id(p) for p in fabric_module.parameters()}
+    owner: dict[int, torch.optim.Optimizer] = {}  # id(parameter) -> the optimizer that steps it
+    pending: dict[int, set[int]] = {}  # id(optimizer) -> its parameters whose gradient this backward has not given
+    for optimizer in optimizers:
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        if not mine <= params or mine & owner.keys():
+            raise ValueError(
+                f"{type(optimizer).__name__} holds parameters that are not the sharded model's, or that another of "
+                "the optimizers holds too. Set the optimizers up with the model (fabric.setup(model, *optimizers) "
+                "or fabric.setup_optimizers after fabric.setup_module), each over parameters of its own."
+            )
+        owner.update(dict.fromkeys(mine, optimizer))
+        pending[id(optimizer)] = mine
+    lock = threading.Lock()  # on CUDA the autograd engine runs the hooks on threads of its own
+
+    def step(optimizer: torch.optim.Optimizer) -> None:
+        del pending[id(optimizer)]
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def ready(param: torch.Tensor) -> None:
+        with lock:
+            optimizer = owner[id(param)]
+            left = pending.get(id(optimizer))
+            if left is not None:
+                left.discard(id(param))
+                if not left:
+                    step(optimizer)
+
+    handles = [p.register_post_accumulate_grad_hook(ready) for p in fabric_module.parameters() if id(p) in owner]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    for optimizer in optimizers:
+        if id(optimizer) in pending:
+            step(optimizer)

@@ -1,6 +1,6 @@
 """What the sharding strategies (``FSDPStrategy`` and ``ModelParallelStrategy``, siblings as in Lightning: neither
-is the other) share, by composition: choosing the units (the layer-class policies; the default units,
-``repeated_blocks``, are in ``fabriclite._blocks``), building the model on the meta device and giving each rank
+is the other) share, by composition (the policies that choose the units are in ``policies.py``; the default units,
+``repeated_blocks``, in ``fabriclite._blocks``): building the model on the meta device and giving each rank
 storage for its shard only (``meta_init``, ``materialize``), everything around sharding a model in ``setup`` and
 pointing its optimizers at the shards (``ShardedSetup``, one per strategy and process), compiling the units, and
 skipping the gradient reduction of FSDP units (``no_gradient_sync``).
@@ -10,12 +10,11 @@ Usage: ``with meta_init(): model = build()``.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -25,30 +24,6 @@ from fabriclite._versions import average_gradients_on_gloo, device_constructors
 
 if TYPE_CHECKING:  # importing FSDP is slow; materialize_meta_tensors is also used without it
     from torch.distributed.fsdp import FSDPModule
-
-# A set of layer classes, or a function telling whether a module is one unit.
-ModulePolicy = Union[set, frozenset, list, tuple, type, Callable[[nn.Module], bool], None]
-
-
-# ---------------------------------------------------------------------- choosing the units
-def module_policy(policy: ModulePolicy, what: str) -> Callable[[nn.Module], bool] | None:
-    """``policy`` (layer classes or a ``module -> bool`` function; ``what`` names the argument) as a function."""
-    if policy is None:
-        return None
-    if isinstance(policy, type):
-        policy = {policy}
-    if isinstance(policy, (set, frozenset, list, tuple)):
-        classes = tuple(policy)
-        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            raise TypeError(f"{what}={policy!r} must hold nn.Module subclasses, e.g. {{TransformerBlock}}.")
-        return functools.partial(_instance_of, classes)  # picklable, for ddp_spawn's new processes
-    if callable(policy):
-        return policy
-    raise TypeError(f"{what}={policy!r} must be a set of nn.Module classes or a function (module) -> bool.")
-
-
-def _instance_of(classes: tuple[type, ...], module: nn.Module) -> bool:
-    return isinstance(module, classes)
 
 
 def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,7 +14,12 @@ from helpers import run_python
 
 SCRIPTS = Path(__file__).parent / "scripts"
 NAMES = sorted(path.name for path in SCRIPTS.glob("*.py") if path.name != "common.py")
-LIGHTNING_REFUSES = {"fsdp_policies.py": "Lightning Fabric refuses FSDP on a CPU"}
+LIGHTNING_REFUSES = {
+    "fsdp_policies.py": "Lightning Fabric refuses FSDP on a CPU",
+    "fsdp_torch_policies.py": "Lightning Fabric refuses FSDP on a CPU",
+    "fsdp_size_wrap_offload.py": "Lightning Fabric refuses FSDP on a CPU",
+    "fsdp_overlap.py": "Lightning Fabric refuses FSDP on a CPU (and Lightning 2.1.0 and later dropped this function)",
+}
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 
 
@@ -73,3 +78,14 @@ def test_the_same_script_gives_the_same_losses_under_lightning_fabric(name, tmp_
     for step, value in losses(ours).items():
         assert abs(value - losses(theirs)[step]) <= 1e-6, (step, value, losses(theirs)[step])
     assert other_lines(ours) == other_lines(theirs)
+
+
+@pytest.mark.parametrize("name", ["fsdp_torch_policies.py", "fsdp_size_wrap_offload.py"])
+def test_torchs_policy_functions_train_as_the_layer_classes_they_stand_for(name, tmp_path):
+    # The same model, data and loop as fsdp_policies.py, with the units and the checkpointed blocks given in
+    # torch's FSDP1 forms (and other units, and CPU offload): the same losses.
+    (tmp_path / "classes").mkdir(), (tmp_path / "torch").mkdir()
+    classes = losses(run("fsdp_policies.py", "fabriclite", tmp_path / "classes"))
+    theirs = losses(run(name, "fabriclite", tmp_path / "torch"))
+    assert classes.keys() == theirs.keys() and len(classes) >= 4
+    assert all(abs(theirs[step] - value) <= 1e-6 for step, value in classes.items()), (classes, theirs)

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 from fsdp_models import ViT
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
-from fabriclite.plugins import MixedPrecision
+from fabriclite.plugins import FSDPPrecision, MixedPrecision
 from fabriclite.strategies import FSDPStrategy
 
 
@@ -267,6 +268,29 @@ def main():
     sgd.step()
     moved = any(not torch.equal(p.to_local(), q) for p, q in zip(net.parameters(), local_before))
     check("after a skip the next step applies on every rank", scaled.all_gather(torch.tensor(moved)).all())
+
+    # ---------------------------------------------------------------- the scaler the user gave is the one in use
+    for precision, build in (("16-mixed", torch.amp.GradScaler), ("16-true", ShardedGradScaler)):
+        scaler = build("cpu", init_scale=1024.0)
+        own = Fabric(accelerator="cpu", devices=2, strategy="fsdp", plugins=[FSDPPrecision(precision, scaler=scaler)])
+        own.launch()
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        net, sgd = own.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        own.backward(net(x).float().mean())
+        if rank == 1:  # an overflow in rank 1's shard only
+            next(net.parameters()).grad.to_local()[0, 0] = float("inf")
+        sgd.step()
+        scales = own.all_gather(torch.tensor(scaler.get_scale())).tolist()
+        check(f"{precision}: the user's {build.__name__} backs off on every rank", scales == [512.0, 512.0], scales)
+        own.save(out / f"scaler-{precision}.ckpt", {"model": net})
+        fresh_scaler = build("cpu", init_scale=1024.0)
+        fresh = Fabric(accelerator="cpu", devices=2, strategy="fsdp", plugins=[FSDPPrecision(precision, fresh_scaler)])
+        fresh.launch()
+        fresh.load(
+            out / f"scaler-{precision}.ckpt",
+            {"model": fresh.setup(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))},
+        )
+        check(f"{precision}: a checkpoint restores into the user's {build.__name__}", fresh_scaler.get_scale() == 512.0)
     os.write(1, f"DONE {rank}\n".encode())
 
 

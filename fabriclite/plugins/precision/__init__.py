@@ -91,28 +91,38 @@ class _HalfGradScaler(_FabricGradScaler):
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
-def _rank_agreeing_scaler(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
-    """The same scaler (same state) whose ``unscale_`` takes the max of found-inf over all ranks, so an overflow in
-    one rank's shard makes every rank skip the step and back off the scale together."""
-    if isinstance(scaler, _RankAgreeing):
-        return scaler
-    cls = type(f"RankAgreeing{type(scaler).__name__}", (_RankAgreeing, type(scaler)), {})
-    agreeing = cls.__new__(cls)
-    agreeing.__dict__.update(scaler.__dict__)
-    return agreeing
+def _unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` already ran since the last ``update`` (``fabric.clip_gradients``)."""
+    from torch.amp.grad_scaler import OptState
+
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
 
 
-class _RankAgreeing:
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        super().unscale_(optimizer)  # type: ignore[misc]
-        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # type: ignore[attr-defined]
-        if not found or not dist.is_initialized():
-            return
-        # One all-reduce per step, on a tensor every rank has (recent torch reduces DTensor found-infs itself too).
-        any_inf = torch.stack([f.to(self._scale.device) for f in found.values()]).amax()  # type: ignore[attr-defined]
-        dist.all_reduce(any_inf, op=dist.ReduceOp.MAX)
-        for value in found.values():
-            value.copy_(any_inf)
+def _agree_on_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """After ``scaler.unscale_(optimizer)``: make every rank's found-inf the max over all ranks, so an overflow in one
+    rank's shard makes every rank skip the step and back off the scale together."""
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    if not found or not dist.is_initialized():
+        return
+    # One all-reduce per step, on a tensor every rank has (recent torch reduces DTensor found-infs itself too).
+    any_inf = torch.stack([f.to(scaler._scale.device) for f in found.values()]).amax()
+    dist.all_reduce(any_inf, op=dist.ReduceOp.MAX)
+    for value in found.values():
+        value.copy_(any_inf)
+
+
+def _refuse_unless_fp16_unscaling(scaler: torch.amp.GradScaler, name: str) -> None:
+    """Refuse a scaler for true fp16 weights (whose gradients are fp16) that would refuse to unscale them."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if isinstance(scaler, (ShardedGradScaler, _HalfGradScaler)) or not scaler.is_enabled():
+        return
+    raise ValueError(
+        f"precision={name!r} with scaler={type(scaler).__name__}(...): the weights and so the gradients are fp16, "
+        "which torch.amp.GradScaler refuses to unscale (it would fail at the first step with 'Attempting to unscale "
+        "FP16 gradients'). Pass a torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which unscales fp16 "
+        "gradients (it needs the processes of a multi-process strategy), or leave scaler out for fabriclite's own."
+    )
 
 
 class Precision:
@@ -128,6 +138,8 @@ class Precision:
     # The dtype parameters are cast to for the forward while fp32 copies are kept (mixed precision), else None.
     # Sharding strategies cast their gathered parameters to it.
     param_dtype: torch.dtype | None = None
+    # Whether the loss scaler's found-inf must be the max over all ranks (set by ``agree_across_ranks``).
+    ranks_agree = False
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module with its weights in this precision's dtype (true precisions); unchanged otherwise."""
@@ -174,10 +186,9 @@ class Precision:
 
     def agree_across_ranks(self) -> None:
         """Make every rank skip or take each step together. Under sharding each rank finds inf/NaN in its own
-        gradient shards only, so the loss scaler (if any) becomes the same scaler, same state, deciding on the max
+        gradient shards only, so the loss scaler (if any; the same object, the user's if given) decides on the max
         over all ranks. Sharding strategies call this once the processes run. Usage: ``precision.agree_across_ranks()``."""
-        if self.scaler is not None:
-            self.scaler = _rank_agreeing_scaler(self.scaler)
+        self.ranks_agree = True
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the precision: the loss scaler's state, if there is one."""
@@ -215,6 +226,8 @@ class _ScaledPrecision(Precision):
         self.dtype = self.DTYPES[name]
         if scaler is not None and self.dtype != torch.float16:
             raise ValueError(f"A loss scaler is for fp16; precision={name!r} does not use one. Leave scaler out.")
+        if scaler is not None and issubclass(self.SCALER, _HalfGradScaler):
+            _refuse_unless_fp16_unscaling(scaler, name)
         self.min_scale = min_scale
         self.scaler = scaler
         self.device_type: str | None = None
@@ -239,6 +252,8 @@ class _ScaledPrecision(Precision):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         if self.scaler is None:
             return optimizer.step(**kwargs)
+        if self.ranks_agree and not _unscaled(self.scaler, optimizer):
+            self.unscale_gradients(optimizer)  # so the step below decides on what every rank found
         # The scaler skips the step when it finds inf/nan gradients, then backs off (to its floor) or grows the scale.
         result = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
@@ -254,8 +269,19 @@ class _ScaledPrecision(Precision):
         return result
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        if self.scaler is None:
+            return
+        self.scaler.unscale_(optimizer)
+        if self.ranks_agree:
+            _agree_on_found_inf(self.scaler, optimizer)
+
+    def agree_across_ranks(self) -> None:
+        """As ``Precision.agree_across_ranks``: this precision's scaler decides on the max over all ranks."""
+        super().agree_across_ranks()
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # FSDP's ShardedGradScaler all-reduces its found-inf itself, in unscale_.
+        self.ranks_agree = not isinstance(self.scaler, ShardedGradScaler)
 
     def state_dict(self) -> dict[str, Any]:
         if self.scaler is None:
@@ -394,7 +420,9 @@ def FSDPPrecision(  # noqa: N802 - Lightning's class name; under FSDP2 every pre
     precision: str, scaler: torch.amp.GradScaler | None = None, device: torch.device | str | None = None
 ) -> Precision:
     """Lightning's FSDP precision plugin: returns the precision ``precision`` names, which ``FSDPStrategy`` casts
-    its gathered parameters to ("bf16-mixed": bf16 all-gathers, fp32 gradient reduction).
+    its gathered parameters to ("bf16-mixed": bf16 all-gathers, fp32 gradient reduction). A ``scaler`` given is the
+    one used (its scale and state dict move with the steps): any ``GradScaler`` for "16-mixed"; for "16-true",
+    whose gradients are fp16, a ``ShardedGradScaler`` (a plain ``GradScaler`` is refused: it cannot unscale them).
 
     Usage: ``Fabric(strategy="fsdp", plugins=[FSDPPrecision("bf16-mixed")])``.
     """

@@ -16,6 +16,17 @@ def mlp(features: int = 8) -> nn.Module:
     return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
+class Block(nn.Module):
+    """The repeated block of the FSDP scripts: the class their wrap and checkpointing policies name."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
 def loader(batch_size: int = 8, shuffle: bool = True) -> DataLoader:
     return DataLoader(regression_data(), batch_size=batch_size, shuffle=shuffle)
 

@@ -1,20 +1,11 @@
 """FSDP with the policies the docs teach: each block its own unit, activation checkpointing on the blocks."""
 
 import torch
-from common import loader, report
+from common import Block, loader, report
 from torch import nn
 
 from fabriclite import Fabric, seed_everything
 from fabriclite.strategies import FSDPStrategy
-
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + torch.tanh(self.linear(x))
 
 
 strategy = FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block})

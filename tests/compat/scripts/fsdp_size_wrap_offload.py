@@ -1,0 +1,31 @@
+"""FSDP with a size-based policy, bound the way a public series of Lightning Fabric scripts binds it (`module=` too,
+which FSDP1's own call overrides), activation checkpointing and CPU offload. The model, data and loop are
+fsdp_policies.py's."""
+
+from functools import partial
+
+import torch
+from common import Block, loader, report
+from torch import nn
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+from fabriclite import Fabric, seed_everything
+from fabriclite.strategies import FSDPStrategy
+
+
+auto_wrap_policy = partial(size_based_auto_wrap_policy, module={Block}, min_num_params=200)
+strategy = FSDPStrategy(auto_wrap_policy=auto_wrap_policy, activation_checkpointing_policy={Block}, cpu_offload=True)
+fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+fabric.launch()
+seed_everything(42)
+with fabric.init_module(empty_init=False):
+    model = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 1))
+model = fabric.setup_module(model)
+optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01))
+for step, (x, y) in enumerate(fabric.setup_dataloaders(loader())):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    fabric.backward(loss)
+    fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    report(fabric, step, loss)
