@@ -208,3 +208,13 @@ def test_across_nodes_a_failure_that_repeats_from_the_same_checkpoint_is_not_res
     assert run.finish() == [1, 1], run.both[-6000:]
     assert "again: the same failure as in an earlier attempt" in run.both, run.both[-6000:]
     assert "(2 of --max-restarts 3 left unused)" in run.both, run.both[-6000:]
+
+
+def test_across_nodes_ctrl_c_on_one_node_ends_every_node_and_leaves_no_rank(tmp_path):
+    run = TwoNodes(tmp_path, "run", "--sleep", "0.2", restarts=2)
+    ranks = run.wait_for(r"step 3\n")
+    run.nodes[0].send_signal(signal.SIGINT)
+    codes = run.finish()
+    assert codes[0] == 128 + signal.SIGINT and codes[1] != 0, run.both[-6000:]
+    assert "restart" not in run.outputs[0], run.outputs[0][-3000:]  # an interrupt is no failure to restart after
+    assert sorted(ranks) == [0, 1] and still_running(list(ranks.values()), within=30) == []
