@@ -117,9 +117,11 @@ def test_across_nodes_a_rank_sigkilled_mid_run_restarts_every_node_and_ends_bit_
     run = TwoNodes(tmp_path, "run", "--sleep", "0.05", strategy=strategy, restarts=1)
     kill_rank(1)(None, run.wait_for(r"step 33\n"))
     assert run.finish() == [0, 0], run.both[-6000:]
+    # Both nodes name the rank killed; its node counts a restart, and so may the other, whose rank's collective broke
+    # (torch counts a restart on every node whose rank failed).
     killed = r"fabriclite: rank 1 on node \d was killed by SIGKILL; stopping every rank on every node and starting them again"
-    assert len(re.findall(killed + r" \(restart 1 of 1\)\.", run.both)) == 1, run.both[-6000:]  # its node counted it
-    assert len(re.findall(killed + r"\.\n", run.both)) == 1, run.both[-6000:]  # the other node named it too
+    assert all(len(re.findall(killed, output)) == 1 for output in run.outputs), run.both[-6000:]
+    assert re.search(killed + r" \(restart 1 of 1\)\.", run.both), run.both[-6000:]
     resumed = re.findall(r"resumed from step-(\d+)\.ckpt at step (\d+)", run.both)
     assert len(resumed) == 1 and int(resumed[0][1]) >= 20, run.both[-6000:]
     assert_same_weights(expected, run.out)

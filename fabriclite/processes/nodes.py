@@ -1,7 +1,7 @@
 """A run on several machines: ``fabriclite run --num-nodes N`` runs, on every node, torch's elastic agent (torchrun's
 ``LocalElasticAgent``) with the c10d rendezvous that node 0 hosts at ``--main-address:--main-port``. torch starts
-the ranks, watches them, and restarts the ranks of every node when one fails (``--max-restarts``, counted by the
-node whose rank failed), as under ``torchrun --rdzv-backend c10d``. On top, what torch's agent does not do:
+the ranks, watches them, and restarts the ranks of every node when one fails (``--max-restarts``, counted by each
+node whose ranks failed), as under ``torchrun --rdzv-backend c10d``. On top, what torch's agent does not do:
 
 - **A check before anything starts** (``check_nodes``): every node runs the same ``--num-nodes`` and ``--devices``,
   no node rank joins twice, and a node that cannot reach node 0 says where it looked.
