@@ -4,9 +4,8 @@ step even when only one got the signal, and the run ends "preempted, resumable".
 
 import re
 import signal
-import subprocess
 
-from helpers import SCRIPTS, fake_scontrol, read_until, sigkill, start_python, still_running
+from helpers import SCRIPTS, fake_scontrol, finish_all, read_until, sigkill, srun_tasks, start_python, still_running
 
 from fabriclite.plugins.environments import free_port
 from fabriclite.processes.preemption import PREEMPTED_EXIT_CODE, requeue
@@ -15,41 +14,22 @@ SCRIPT = str(SCRIPTS / "long_run.py")
 TIMEOUT = 300
 
 
-def srun_tasks(folder, *flags, **env):
-    """Start long_run.py as `srun --ntasks 2` would in SLURM job 4242: one process per rank, rank and job in SLURM_*
-    variables, no launcher above them. SLURM itself cannot run here: these variables stand in for it."""
-    port = str(free_port())
-    tasks = []
-    for rank in range(2):
-        slurm = {
-            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "long_run", "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-        }  # fmt: skip
-        args = [SCRIPT, str(folder), "--out", str(folder / "final.pt"), "--accelerator", "cpu", "--devices", "2"]
-        tasks.append(start_python(*args, *flags, **{**slurm, **env}))
-    return tasks
+def srun_run(folder, *flags, **env):
+    """long_run.py as `srun --ntasks 2` starts it in SLURM job 4242 (its variables stand in for SLURM, which cannot
+    run here; see helpers.srun_tasks): one process per rank, no launcher above them."""
+    args = [SCRIPT, str(folder), "--out", str(folder / "final.pt"), "--accelerator", "cpu", "--devices", "2"]
+    return srun_tasks(*args, *flags, **{"SLURM_JOB_NAME": "long_run", **env})
 
 
 def finish(tasks):
     """Wait for every task; return their exit codes and their output, rank 0's first."""
-    codes, output = [], ""
-    try:
-        for task in tasks:
-            try:
-                output += task.communicate(timeout=TIMEOUT)[0]
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"a task did not end within {TIMEOUT} s") from None
-            codes.append(task.returncode)
-    finally:
-        for task in tasks:
-            sigkill(task)
-    return codes, output
+    return finish_all(tasks, TIMEOUT)
 
 
 def test_a_notice_to_one_srun_task_stops_both_at_one_step_rank_0_requeues_and_both_exit_75(tmp_path):
     env, log = fake_scontrol(tmp_path / "bin")
     folder = tmp_path / "run"
-    tasks = srun_tasks(folder, "--sleep", "0.05", **env)
+    tasks = srun_run(folder, "--sleep", "0.05", **env)
     try:
         before = read_until(tasks[0], "step 5\n", timeout=TIMEOUT)
         tasks[1].send_signal(signal.SIGUSR1)  # rank 1 alone: rank 0 learns it from the agreement
@@ -68,14 +48,14 @@ def test_a_notice_to_one_srun_task_stops_both_at_one_step_rank_0_requeues_and_bo
     assert "fabriclite: requeued SLURM job 4242" in output
 
     # What SLURM does with a requeued job: start the same tasks again. They resume where they stopped.
-    codes, again = finish(srun_tasks(folder, **env))
+    codes, again = finish(srun_run(folder, **env))
     assert codes == [0, 0], again[-3000:]
     assert f"resumed from step-{int(saved['0']):04d}.ckpt at step {saved['0']}" in again, again[-3000:]
 
 
 def test_srun_tasks_never_preempted_end_normally_with_the_last_reads_all_reduce_in_flight(tmp_path):
     # Every read starts an all-reduce that the next read finishes: the last one is still referenced at the end.
-    codes, output = finish(srun_tasks(tmp_path / "run", "--epochs", "1"))
+    codes, output = finish(srun_run(tmp_path / "run", "--epochs", "1"))
     assert codes == [0, 0], output[-3000:]
     assert "done" in output and "saved at step" not in output
 

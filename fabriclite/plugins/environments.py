@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ __all__ = [
     "cpu_threads_per_process",
     "detect_environment",
     "free_port",
+    "slurm_local_launch",
 ]
 
 
@@ -192,39 +195,106 @@ class LightningEnvironment(ClusterEnvironment):
 
 
 class SLURMEnvironment(ClusterEnvironment):
-    """SLURM's ``srun``: one task per process (SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID); the main
-    address is MASTER_ADDR or the first node of SLURM_NODELIST, the port MASTER_PORT or one derived from the job id.
-    An interactive ``srun --pty bash`` shell is not a job to join."""
+    """SLURM. Processes join as ranks when ``srun`` started them as the tasks of one job step (SLURM_STEP_ID set,
+    more than one task: SLURM_STEP_NUM_TASKS, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID); the main address is
+    MASTER_ADDR or the first node of the step, the port MASTER_PORT or one derived from the job id. A batch script, an
+    ``salloc`` shell, a step of one task (``srun --pty bash``) and a command typed in an ``srun --pty`` terminal are
+    not tasks to join: there ``fabric.launch()`` starts the processes on this node (``slurm_local_launch``).
+
+    Usage: ``Fabric(plugins=[SLURMEnvironment()])`` in a script that ``srun`` starts.
+    """
 
     source = "slurm"
 
     @staticmethod
     def detect() -> bool:
-        return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+        """Whether ``srun`` started this process as one of several tasks of a job step (then they join as ranks)."""
+        return (_slurm_step_tasks() or 0) > 1
 
     def read(self) -> ProcessEnvironment | None:
-        if not self.detect() or int(os.environ["SLURM_NTASKS"]) <= 1:
+        if not self.detect():
             return None
         job_id = os.environ.get("SLURM_JOB_ID", "0")
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_NODELIST", "")
         return ProcessEnvironment(
-            world_size=_env_int("SLURM_NTASKS"),
+            world_size=_slurm_step_tasks() or 1,
             global_rank=_env_int("SLURM_PROCID"),
             local_rank=_env_int("SLURM_LOCALID"),
             node_rank=_env_int("SLURM_NODEID"),
-            main_address=os.environ.get("MASTER_ADDR") or _first_slurm_host(os.environ.get("SLURM_NODELIST", "")),
+            main_address=os.environ.get("MASTER_ADDR") or _first_slurm_host(nodelist),
             main_port=int(os.environ.get("MASTER_PORT", 10000 + int(job_id[-4:] or 0))),
             source=self.source,
         )
 
 
+def _slurm_step_tasks() -> int | None:
+    """How many tasks ``srun`` started in the job step this process is a task of, or None when it is no task of one:
+    outside SLURM, in a batch script or an ``salloc`` shell (no job step: SLURM_STEP_ID unset, as SLURM's FAQ tells a
+    batch script apart), or a command typed in the terminal of an ``srun --pty`` step (the task is the shell:
+    SLURM_TASK_PID names another process, and this one reads that terminal)."""
+    if "SLURM_PROCID" not in os.environ or not ({"SLURM_STEP_ID", "SLURM_STEPID"} & os.environ.keys()):
+        return None
+    task_pid = os.environ.get("SLURM_TASK_PID")
+    if task_pid and task_pid != str(os.getpid()) and _reads_a_terminal():
+        return None
+    return _env_int("SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in os.environ else "SLURM_NTASKS")
+
+
+def _reads_a_terminal() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
+def slurm_local_launch(processes: int, num_nodes: int) -> str | None:
+    """In a SLURM job, where this process is none of srun's tasks and Fabric is to start ``processes`` processes on
+    this node itself: the line to say so, once (None outside SLURM, or with nothing to start). Raises ValueError where
+    that cannot be right: ``num_nodes > 1``, or an allocation of several nodes (all but this one would stay idle).
+
+    Usage: ``line = slurm_local_launch(2, 1); if line: print(line, file=sys.stderr)``.
+    """
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is None or (processes <= 1 and num_nodes <= 1):
+        return None
+    if {"SLURM_STEP_ID", "SLURM_STEPID"} & os.environ.keys():
+        why = "a step of one task, such as `srun --pty bash`, or a command typed in a step's shell"
+    else:
+        why = "no job step: a batch script or an salloc shell"
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    wanted = max(num_nodes, nodes)
+    srun = f"srun --nodes={wanted} --ntasks-per-node={processes} python {shlex.join(sys.argv)}"
+    if num_nodes > 1:
+        raise ValueError(
+            f"Fabric(num_nodes={num_nodes}) in SLURM job {job}, but this process is not one of srun's tasks ({why}), "
+            f"and fabric.launch() starts processes on this node only. Let SLURM start one task per device on every "
+            f"node: `{srun}` (in an sbatch script with #SBATCH --nodes={num_nodes} --ntasks-per-node={processes})."
+        )
+    if nodes > 1:
+        raise ValueError(
+            f"SLURM job {job} has {nodes} nodes (SLURM_JOB_NUM_NODES={nodes}), but this process is not one of srun's "
+            f"tasks ({why}): fabric.launch() would start the {processes} processes on this node only and leave the "
+            f"others idle. Run `{srun}` with Fabric(num_nodes={nodes}), or ask SLURM for one node (--nodes=1)."
+        )
+    return (
+        f"fabriclite: SLURM job {job}, but this process is not one of srun's tasks ({why}): fabric.launch() starts "
+        f"the {processes} processes on this node itself. To have SLURM start them instead: `{srun}`."
+    )
+
+
 def detect_environment(given: ClusterEnvironment | None = None) -> ProcessEnvironment | None:
     """Return the environment of an already launched process, or None when this is a plain single process.
-    ``given`` (a ``Fabric(plugins=[...])`` environment) is read instead of looking at every launcher.
+    ``given`` (a ``Fabric(plugins=[...])`` environment) is read instead of looking at every launcher; where it did
+    not start this process but fabriclite's own launcher did (``SLURMEnvironment()`` in a batch script whose
+    ``fabric.launch()`` started the ranks), the variables that launcher set are read.
 
     Usage: ``env = detect_environment(); env.global_rank if env else 0``.
     """
     if given is not None:
-        return given.read()
+        environment = given.read()
+        if environment is None and "FABRICLITE_LAUNCHER" in os.environ:
+            return LightningEnvironment().read()
+        return environment
     for kind in (TorchElasticEnvironment, LightningEnvironment, SLURMEnvironment):
         environment = kind().read()
         if environment is not None:
