@@ -4,6 +4,7 @@ ENVIRONMENT VARIABLES), stand in for it."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -188,6 +189,69 @@ def test_a_cluster_environment_plugin_must_be_one(clean_env):
         from fabriclite.strategies import DDPStrategy
 
         DDPStrategy(cluster_environment="slurm")
+
+
+def test_slurm_environment_takes_lightnings_arguments(clean_env):
+    default = SLURMEnvironment()
+    assert default.auto_requeue is True and default.requeue_signal == signal.SIGUSR1  # Lightning's defaults
+    given = SLURMEnvironment(auto_requeue=False, requeue_signal=signal.SIGUSR2)
+    assert given.auto_requeue is False and given.requeue_signal is signal.SIGUSR2
+    assert SLURMEnvironment(requeue_signal=int(signal.SIGHUP)).requeue_signal is signal.SIGHUP
+    assert repr(given) == "SLURMEnvironment(auto_requeue=False, requeue_signal=signal.SIGUSR2)"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"requeue_signal": "SIGUSR2"},
+            TypeError,
+            "requeue_signal='SIGUSR2'\\) must be a signal, such as signal.SIGUSR2",
+        ),
+        ({"requeue_signal": True}, TypeError, "requeue_signal=True\\) must be a signal"),
+        ({"requeue_signal": signal.SIGKILL}, ValueError, "SIGKILL cannot be caught"),
+        ({"requeue_signal": signal.SIGSTOP}, ValueError, "SIGSTOP cannot be caught"),
+        ({"requeue_signal": signal.SIGINT}, ValueError, "SIGINT means something else already"),
+        ({"requeue_signal": 999}, ValueError, "requeue_signal=999\\) is not a signal number"),
+        ({"auto_requeue": "no"}, TypeError, "auto_requeue='no'\\) must be True .* or False"),
+        ({"auto_requeue": 0}, TypeError, "auto_requeue=0\\) must be True"),
+    ],
+)
+def test_slurm_environment_refuses_what_cannot_be_a_requeue_setting(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SLURMEnvironment(**kwargs)
+
+
+NODE_LISTS = [  # SLURM's node-list forms, and the host where rank 0 runs (the cases of Lightning's own tests)
+    ("127.0.0.1", "127.0.0.1"),
+    ("alpha,beta,gamma", "alpha"),
+    ("alpha beta gamma", "alpha"),
+    ("1.2.3.[100-110]", "1.2.3.100"),
+    ("1.2.3.[089, 100-110]", "1.2.3.089"),
+    ("host[22]", "host22"),
+    ("host[5-9,1]", "host5"),
+    ("alpha, host[5-9], gamma", "alpha"),
+    ("alpha[3,1], beta", "alpha3"),
+]
+
+
+def test_slurm_environment_has_lightnings_public_members_saying_the_same_facts(clean_env):
+    for name, value in {"SLURM_JOB_ID": "0001234", "SLURM_JOB_NAME": "JOB"}.items():
+        clean_env.setenv(name, value)
+    assert SLURMEnvironment.job_id() == 1234 and SLURMEnvironment.job_name() == "JOB"
+    assert [SLURMEnvironment.resolve_root_node_address(nodes) for nodes, _ in NODE_LISTS] == [h for _, h in NODE_LISTS]
+    clean_env.setenv("SLURM_JOB_NAME", "interactive")
+    assert SLURMEnvironment.job_id() is None  # as Lightning: a shell's runs do not share one id
+    clean_env.delenv("SLURM_JOB_ID")
+    clean_env.delenv("SLURM_JOB_NAME")
+    assert SLURMEnvironment.job_id() is None and SLURMEnvironment.job_name() is None
+    try:
+        from lightning.fabric.plugins.environments import SLURMEnvironment as Lightnings
+    except ImportError:  # the names below are checked against Lightning wherever it is installed
+        return
+    public = {name for name in dir(Lightnings) if not name.startswith("_")}
+    assert public - set(dir(SLURMEnvironment)) == set()
+    assert [Lightnings.resolve_root_node_address(nodes) for nodes, _ in NODE_LISTS] == [h for _, h in NODE_LISTS]
 
 
 @pytest.mark.parametrize(

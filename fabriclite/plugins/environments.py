@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import socket
 import sys
 from abc import ABC, abstractmethod
@@ -50,8 +51,8 @@ def _env_int(name: str) -> int:
 
 
 def _first_slurm_host(nodelist: str) -> str:
-    # "node[03-05,09],gpu1" -> "node03": the first host is the main process's node.
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    # "node[03-05,09],gpu1" -> "node03" (also "a b c" -> "a"): the first host is the main process's node.
+    match = re.match(r"([^,\[\s]+)(\[([^\]]+)\])?", nodelist.strip())
     if not match:
         return "127.0.0.1"
     prefix, _, ranges = match.groups()
@@ -201,15 +202,47 @@ class SLURMEnvironment(ClusterEnvironment):
     ``salloc`` shell, a step of one task (``srun --pty bash``) and a command typed in an ``srun --pty`` terminal are
     not tasks to join: there ``fabric.launch()`` starts the processes on this node (``slurm_local_launch``).
 
-    Usage: ``Fabric(plugins=[SLURMEnvironment()])`` in a script that ``srun`` starts.
+    ``requeue_signal`` (default SIGUSR1) is a preemption notice for this run, as SIGTERM and SIGUSR1 always are:
+    ``fabric.preempted`` becomes True on every rank, the script saves and exits 75, and the job is requeued with
+    ``scontrol requeue``; ``auto_requeue=False`` saves and exits 75 without requeuing. Lightning's signature.
+
+    Usage: ``Fabric(plugins=[SLURMEnvironment(requeue_signal=signal.SIGUSR2)])`` with ``#SBATCH --signal=USR2@120``.
     """
 
     source = "slurm"
+
+    def __init__(self, auto_requeue: bool = True, requeue_signal: signal.Signals | None = None) -> None:
+        if not isinstance(auto_requeue, bool):
+            raise TypeError(
+                f"SLURMEnvironment(auto_requeue={auto_requeue!r}) must be True (requeue the job after a preemption "
+                "notice) or False (save and exit 75 without requeuing)."
+            )
+        self.auto_requeue = auto_requeue
+        self.requeue_signal = signal.SIGUSR1 if requeue_signal is None else _catchable_signal(requeue_signal)
 
     @staticmethod
     def detect() -> bool:
         """Whether ``srun`` started this process as one of several tasks of a job step (then they join as ranks)."""
         return (_slurm_step_tasks() or 0) > 1
+
+    @staticmethod
+    def job_name() -> str | None:
+        """The job's name (SLURM_JOB_NAME), or None outside SLURM."""
+        return os.environ.get("SLURM_JOB_NAME")
+
+    @staticmethod
+    def job_id() -> int | None:
+        """The job's id (SLURM_JOB_ID) as a number; None outside SLURM and, as in Lightning, in a job named "bash" or
+        "interactive" (a shell to work in, whose runs should not share one id)."""
+        job = os.environ.get("SLURM_JOB_ID", "")
+        if not job.isdigit() or SLURMEnvironment.job_name() in _INTERACTIVE_JOB_NAMES:
+            return None
+        return int(job)
+
+    @staticmethod
+    def resolve_root_node_address(nodes: str) -> str:
+        """The first host of a SLURM node list ("gpu[03-06],cpu1" -> "gpu03"), where rank 0 runs."""
+        return _first_slurm_host(nodes)
 
     def read(self) -> ProcessEnvironment | None:
         if not self.detect():
@@ -225,6 +258,36 @@ class SLURMEnvironment(ClusterEnvironment):
             main_port=int(os.environ.get("MASTER_PORT", 10000 + int(job_id[-4:] or 0))),
             source=self.source,
         )
+
+    def __repr__(self) -> str:
+        return f"SLURMEnvironment(auto_requeue={self.auto_requeue}, requeue_signal=signal.{self.requeue_signal.name})"
+
+
+_INTERACTIVE_JOB_NAMES = ("bash", "interactive")  # SLURM's default names for `srun --pty bash` and salloc's shell
+# Signals that cannot be a scheduler's notice: the kernel does not let a process catch the first two, and the others
+# already mean something else (Ctrl-C, a child process ended, this process crashed).
+_NOT_NOTICES = (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT, signal.SIGCHLD, signal.SIGSEGV, signal.SIGBUS,
+                signal.SIGFPE, signal.SIGILL, signal.SIGABRT)  # fmt: skip
+
+
+def _catchable_signal(value: object) -> signal.Signals:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"SLURMEnvironment(requeue_signal={value!r}) must be a signal, such as signal.SIGUSR2 (SLURM sends the one "
+            "named in #SBATCH --signal=USR2@120), or None for SIGUSR1."
+        )
+    try:
+        signum = signal.Signals(value)
+    except ValueError:
+        raise ValueError(f"SLURMEnvironment(requeue_signal={value!r}) is not a signal number on this system.") from None
+    if signum in _NOT_NOTICES:
+        why = "cannot be caught" if signum in (signal.SIGKILL, signal.SIGSTOP) else "means something else already"
+        raise ValueError(
+            f"SLURMEnvironment(requeue_signal=signal.{signum.name}): {signum.name} {why}, so it cannot serve as a "
+            "preemption notice. Use SIGUSR1 (the default), SIGUSR2, SIGTERM or SIGHUP, with the same signal in "
+            "#SBATCH --signal."
+        )
+    return signum
 
 
 def _slurm_step_tasks() -> int | None:
