@@ -2,6 +2,7 @@
 `fabric.preempted` agrees across ranks without waiting on the step it is read in, every rank saves at the same
 step even when only one got the signal, and the run ends "preempted, resumable"."""
 
+import os
 import re
 import signal
 
@@ -103,6 +104,26 @@ def test_without_auto_requeue_a_batch_scripts_ranks_save_at_one_step_and_exit_75
     assert not log.exists(), log.read_text()
     assert "fabriclite: not requeuing SLURM job 4242, as SLURMEnvironment(auto_requeue=False) asks." in output
     assert output.count("this process is not one of srun's tasks") == 1, output[-3000:]
+
+
+def test_srun_tasks_preempted_where_scontrol_is_missing_save_exit_75_and_say_what_to_run(tmp_path):
+    """SIGUSR1 to both srun tasks (as SLURM's --signal sends it) in SLURM job 4242, with no `scontrol` on the PATH (a
+    container without SLURM's commands): both save at one step and exit 75, and rank 0 says it could not requeue the
+    job and which command does. SLURM cannot run here: srun's variables stand in for it."""
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not os.path.exists(f"{d}/scontrol"))
+    tasks = srun_run(tmp_path / "run", "--sleep", "0.05", PATH=path)
+
+    def notice(tasks):
+        for task in tasks:
+            task.send_signal(signal.SIGUSR1)
+
+    codes, output, _ = preempted(tasks, notice)
+    assert codes == [PREEMPTED_EXIT_CODE, PREEMPTED_EXIT_CODE], output[-3000:]
+    said = (
+        "fabriclite: could not requeue SLURM job 4242: `scontrol` is not on the PATH here. Run `scontrol requeue 4242`"
+    )
+    assert said in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
 
 
 def test_srun_tasks_never_preempted_end_normally_with_the_last_reads_all_reduce_in_flight(tmp_path):

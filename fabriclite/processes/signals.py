@@ -258,6 +258,11 @@ def requeue(say: Any = print) -> bool:
         say(f"fabriclite: not requeuing SLURM job {job}, as SLURMEnvironment(auto_requeue=False) asks.")
         return False
     if scontrol is None:
+        say(
+            f"fabriclite: could not requeue SLURM job {job}: `scontrol` is not on the PATH here. Run `scontrol requeue "
+            f"{job}` where SLURM's commands are (a login node; a batch job can be requeued after it ended), or submit "
+            "it again: it resumes from its latest checkpoint."
+        )
         return False
     try:
         result = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
