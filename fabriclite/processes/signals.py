@@ -249,7 +249,8 @@ def slurm_job_id() -> str | None:
 def requeue(say: Any = print) -> bool:
     """In a SLURM job, ask SLURM to requeue it (``scontrol requeue`` with ``slurm_job_id()``); True when it did. A
     job that may not be requeued (``--no-requeue``, the cluster's policy) makes scontrol fail: False, and the reason
-    said."""
+    said; likewise without ``scontrol`` on the PATH (the command to run is said), or after
+    ``SLURMEnvironment(auto_requeue=False)``."""
     job = slurm_job_id()
     scontrol = shutil.which("scontrol")
     if job is None:
