@@ -92,7 +92,7 @@ class Fabric(LegacyAPI):
         self._kernels = bool(kernels) and kernels_usable(self.device) and self._precision.name != "64-true"
         self._compile = compile_kwargs(compile)
         self._compile_watches: list[CompileWatch] = []
-        signals.install(self._strategy.global_rank)  # from now on SIGTERM and SIGUSR1 are noted, not fatal
+        signals.install(self._strategy.global_rank, environment)  # from now on notices are noted, not fatal
         self._checkpointer = checkpoint.Checkpointer()  # asynchronous saves: staged at the call, written after
         failures.record(self._checkpointer.last_sequence)  # an exception that ends this rank tells its supervisor
         self._callbacks = as_list(callbacks)
@@ -140,8 +140,8 @@ class Fabric(LegacyAPI):
 
     @property
     def preempted(self) -> bool:
-        """Whether SIGTERM or SIGUSR1 reached any rank (a collective: read it on every rank, once per step; see
-        ``fabriclite.processes.preemption``). Usage: ``if fabric.preempted: fabric.save(path, state); sys.exit(75)``."""
+        """Whether a notice (SIGTERM, SIGUSR1, a SLURMEnvironment's requeue signal) reached any rank; a collective:
+        read it on every rank, once per step. Usage: ``if fabric.preempted: fabric.save(path, state); sys.exit(75)``."""
         return preemption.agreed(self._strategy)
 
     loggers = property(lambda self: self._loggers, doc="The loggers passed to ``Fabric(loggers=...)`` (a list).")

@@ -31,6 +31,16 @@ LAUNCH_VARS = [
     "SLURM_NODELIST",
     "SLURM_JOB_ID",
     "SLURM_JOB_NAME",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_NNODES",
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_STEP_NODELIST",
+    "SLURM_TASK_PID",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
 ]
 
 
@@ -177,6 +187,58 @@ def fake_scontrol(folder: Path, allowed: bool = True) -> tuple[dict[str, str], P
     (folder / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n{answer}\n')
     (folder / "scontrol").chmod(0o755)
     return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}, log
+
+
+SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1", "SLURM_NODELIST": "localhost"}
+# What sbatch's batch script has besides: task 0 of the job, but no job step (no SLURM_STEP_ID).
+SLURM_BATCH_SCRIPT = {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+
+
+def srun_tasks(
+    *args: str, tasks: int = 2, per_task: list[dict[str, str]] | None = None, **env: str
+) -> list[subprocess.Popen]:
+    """Start ``python *args`` as ``srun --ntasks TASKS`` starts the tasks of a job step of SLURM job 4242 on one node:
+    one process per task, each with the variables slurmstepd gives a task (SLURM_STEP_ID, SLURM_STEP_NUM_TASKS,
+    SLURM_PROCID, SLURM_LOCALID, ..., and SLURM_TASK_PID, its own PID: `sh` sets it, then execs Python, as slurmstepd
+    sets it and execs the task). SLURM itself cannot run here: these variables stand in for it. MASTER_PORT is a free
+    port (a fixed one derived from the job id could be taken on a shared machine); ``env`` adds to or overrides the
+    rest (a job name, a stand-in scontrol's PATH), ``per_task[rank]`` those of one task. Stdout is a pipe of lines, as
+    from ``start_python``; the caller waits for them or kills them, with a timeout (``finish_all``, ``sigkill``)."""
+    from fabriclite.plugins.environments import free_port
+
+    step = {
+        **SLURM_JOB, "SLURM_JOB_NAME": "train", "SLURM_NTASKS": str(tasks), "SLURM_STEP_ID": "0",
+        "SLURM_STEPID": "0", "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_STEP_NODELIST": "localhost", "SLURM_NODEID": "0", "MASTER_PORT": str(free_port()),
+    }  # fmt: skip
+    exec_as_task = ["sh", "-c", 'export SLURM_TASK_PID=$$; exec "$@"', "sh", sys.executable]
+    return [
+        subprocess.Popen(
+            [*exec_as_task, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=python_env(**{**step, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), **env, **own}),
+        )
+        for rank, own in enumerate(per_task or [{}] * tasks)
+    ]
+
+
+def finish_all(children: list[subprocess.Popen], timeout: float) -> tuple[list[int], str]:
+    """Wait for every child of ``start_python`` or ``srun_tasks``; return their exit codes and their output, in
+    order. Fails the test when one has not ended within ``timeout`` seconds; none is left running."""
+    codes, output = [], ""
+    try:
+        for child in children:
+            try:
+                output += child.communicate(timeout=timeout)[0]
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"a process did not end within {timeout} s:\n{output[-3000:]}") from None
+            codes.append(child.returncode)
+    finally:
+        for child in children:
+            sigkill(child)
+    return codes, output
 
 
 # ------------------------------------------------------------- long runs: what the one-machine and two-node tests share

@@ -94,21 +94,26 @@ _installed = False
 _watching = False  # the watching thread reads the wakeup fd
 _write_fd = -1  # the wakeup fd's writing end, ours
 _children: list[list[Any]] = []  # lists of the processes this one started (subprocess.Popen): signals go on to them
+_notices = list(NOTICES)  # and the run's own requeue signal, SLURMEnvironment(requeue_signal=...)
+_auto_requeue = True  # SLURMEnvironment(auto_requeue=False): a preempted run exits 75 without requeuing its job
 
 
-def install(rank: int = 0) -> None:
+def install(rank: int = 0, environment: Any = None) -> None:
     """Take notices (SIGTERM, SIGUSR1) by this module's policy, and start the thread that watches every signal;
-    ``rank`` names this process in what it says. From the main thread only (Python's rule for signal handlers);
-    elsewhere, and a second time, it only updates ``rank``. Usage: ``install(global_rank)``."""
+    ``rank`` names this process in what it says. A ``SLURMEnvironment`` as ``environment`` (Fabric's plugin) adds
+    its ``requeue_signal`` to the notices, and its ``auto_requeue=False`` keeps ``requeue`` from requeuing. From the
+    main thread only (Python's rule for signal handlers); elsewhere, and a second time, it only updates ``rank`` and
+    takes ``environment``'s settings. Usage: ``install(global_rank)``."""
     global _installed, _policy, _watching
     if _policy.pid != os.getpid():  # forked, and taking a part in the run itself (ddp_fork): a policy of its own
         _policy, _installed, _watching = _Policy(), False, False
         _children.clear()
     _policy.rank = rank
+    _take_requeue(environment)
     if _installed or threading.current_thread() is not threading.main_thread():
         return
     _installed = True
-    for signum in NOTICES:
+    for signum in _notices:
         signal.signal(signum, _on_notice)
     _start_watching()
 
@@ -119,7 +124,7 @@ def uninstall() -> None:
     global _installed, _watching
     if not _installed:
         return
-    for signum in NOTICES:
+    for signum in _notices:
         signal.signal(signum, signal.SIG_DFL)
     if _watching and _wakeup_is_ours():
         signal.set_wakeup_fd(-1)
@@ -135,8 +140,22 @@ def explain_stop(reason: Callable[[], str | None]) -> None:
     _policy.stop_reason = reason
 
 
+def _take_requeue(environment: Any) -> None:
+    # SLURMEnvironment(requeue_signal=..., auto_requeue=...), read by its names (importing the plugins here would
+    # make a cycle): one more notice, and whether `requeue` may requeue.
+    global _auto_requeue
+    signum = getattr(environment, "requeue_signal", None)
+    if signum is None:
+        return
+    _auto_requeue = environment.auto_requeue
+    if signum not in _notices:
+        _notices.append(signum)
+        if _installed and threading.current_thread() is threading.main_thread():
+            signal.signal(signum, _on_notice)
+
+
 def noticed() -> int | None:
-    """The first notice this process received (``signal.SIGTERM`` or ``SIGUSR1``), or None."""
+    """The first notice this process received (``signal.SIGTERM``, ``SIGUSR1``, a requeue signal), or None."""
     return _policy.notice
 
 
@@ -171,7 +190,7 @@ def _on_notice(signum: int, frame: Any) -> None:
 def _event(signum: int) -> bool:
     """Act on one signal (on the watching thread); True once this process is to leave after its saves."""
     _pass_on(signum)
-    if signum not in NOTICES:
+    if signum not in _notices:
         return _policy.leaving
     name, rank = signal.Signals(signum).name, _policy.rank
     why = _policy.stop_reason() if signum == signal.SIGTERM and _policy.stop_reason and not _policy.notice else None
@@ -255,10 +274,21 @@ def slurm_job_id() -> str | None:
 def requeue(say: Any = print) -> bool:
     """In a SLURM job, ask SLURM to requeue it (``scontrol requeue`` with ``slurm_job_id()``); True when it did. A
     job that may not be requeued (``--no-requeue``, the cluster's policy) makes scontrol fail: False, and the reason
-    said."""
+    said; likewise without ``scontrol`` on the PATH (the command to run is said), or after
+    ``SLURMEnvironment(auto_requeue=False)``."""
     job = slurm_job_id()
     scontrol = shutil.which("scontrol")
-    if job is None or scontrol is None:
+    if job is None:
+        return False
+    if not _auto_requeue:
+        say(f"fabriclite: not requeuing SLURM job {job}, as SLURMEnvironment(auto_requeue=False) asks.")
+        return False
+    if scontrol is None:
+        say(
+            f"fabriclite: could not requeue SLURM job {job}: `scontrol` is not on the PATH here. Run `scontrol requeue "
+            f"{job}` where SLURM's commands are (a login node; a batch job can be requeued after it ended), or submit "
+            "it again: it resumes from its latest checkpoint."
+        )
         return False
     try:
         result = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)

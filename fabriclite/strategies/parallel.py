@@ -28,6 +28,7 @@ from fabriclite.plugins.environments import (
     cpu_oversubscription_hint,
     cpu_threads_per_process,
     detect_environment,
+    slurm_local_launch,
 )
 from fabriclite.rank_zero import log, rank_zero_info, rank_zero_only
 from fabriclite.strategies.strategy import Strategy
@@ -97,6 +98,8 @@ class ParallelStrategy(Strategy):
         self.local_processes = len(accelerator.device_indices)
         expected = self.local_processes * num_nodes
         self.environment = detect_environment(self.cluster_environment)
+        # In a SLURM job outside srun's tasks (a batch script, an salloc shell): start them here, or refuse at once.
+        outside_srun = None if self.environment else slurm_local_launch(self.local_processes, num_nodes)
         if self.environment is not None:
             if self.environment.world_size != expected:
                 stale = ""
@@ -120,6 +123,8 @@ class ParallelStrategy(Strategy):
             self.launcher = SubprocessLauncher(self.local_processes)
         else:
             self.launcher = MultiprocessingLauncher(self.local_processes, self.start_method)
+        if outside_srun:
+            print(outside_srun, file=sys.stderr, flush=True)
         self.root_device = accelerator.device(self.local_rank)
 
     # Process layout: from whoever started this process; before launching, this process is rank 0 of the planned run.

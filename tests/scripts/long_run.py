@@ -5,10 +5,12 @@ Prints "pid RANK PID" at the start, "step N" (rank 0) after every step, "RANK sa
 preempted (then exits with 75), and writes rank 0's final weights to --out.
 Usage: fabriclite run --accelerator cpu --devices 2 long_run.py FOLDER --out W.pt [--asynchronous] [--sleep S]
 [--slow-io S] (each checkpoint file takes S seconds longer to write; "saving" is printed first)
+[--requeue-signal NAME] [--no-auto-requeue] (Fabric(plugins=[SLURMEnvironment(auto_requeue=..., requeue_signal=...)]))
 """
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fabriclite import Fabric, seed_everything
 from fabriclite.checkpoint import TorchCheckpointIO
+from fabriclite.plugins.environments import SLURMEnvironment
 from fabriclite.processes.preemption import PREEMPTED_EXIT_CODE
 from noisy_step import noisy_step
 
@@ -32,6 +35,8 @@ parser.add_argument("--asynchronous", action="store_true")
 parser.add_argument("--slow-io", type=float, default=0.0)
 parser.add_argument("--accelerator", default="auto")  # run without `fabriclite run`, which sets them otherwise
 parser.add_argument("--devices", default="auto")
+parser.add_argument("--requeue-signal")  # e.g. SIGUSR2
+parser.add_argument("--no-auto-requeue", action="store_true")
 args = parser.parse_args()
 
 seed_everything(7, verbose=False)
@@ -49,6 +54,8 @@ class SlowIO(TorchCheckpointIO):
 
 
 plugins = [SlowIO()] if args.slow_io else []
+if args.requeue_signal:
+    plugins.append(SLURMEnvironment(auto_requeue=not args.no_auto_requeue, requeue_signal=getattr(signal, args.requeue_signal)))
 fabric = Fabric(accelerator=args.accelerator, devices=args.devices, plugins=plugins)
 fabric.launch()
 print(f"pid {fabric.global_rank} {os.getpid()}", flush=True)
