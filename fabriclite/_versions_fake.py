@@ -35,6 +35,22 @@ def fake_mode_active() -> bool:
     return active_fake_mode() is not None
 
 
+def is_fake_limit(error: BaseException) -> bool:
+    """Whether ``error`` is what fake tensors cannot do (an op whose output shape or result depends on values, an
+    op with no fake implementation, code reading a fake tensor's memory), not an error of the code itself.
+    Usage: ``if is_fake_limit(error): say_the_plan_stopped_here()``."""
+    from torch._subclasses import fake_tensor
+
+    limits = (
+        fake_tensor.DynamicOutputShapeException,
+        fake_tensor.DataDependentOutputException,
+        fake_tensor.UnsupportedFakeTensorException,
+        fake_tensor.UnsupportedOperatorException,
+    )
+    memory = ("data is not allocated yet", "not supported for tensor subclasses", "Cannot access data pointer")
+    return isinstance(error, limits) or (isinstance(error, RuntimeError) and any(m in str(error) for m in memory))
+
+
 def fake_tensor_mode() -> Any:
     """torch's ``FakeTensorMode``, taking real tensors in too, whose tensors ``module.to()`` can swap: by default
     it keeps a weak reference to each op's output, and ``torch.utils.swap_tensors`` (which ``module.to`` uses on

@@ -20,9 +20,11 @@ import runpy
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from fabriclite._versions_fake import is_fake_limit
 from fabriclite.plan.memory import MemoryTracker
 from fabriclite.plan.report import Plan, describe, format_bytes
 from fabriclite.plan.world import FakeWorld, PlanStop
@@ -77,18 +79,23 @@ def plan_script(
     tracker = MemoryTracker()
     start = time.perf_counter()
     world = FakeWorld(world_size, steps=steps, settings=variables, trackers=(tracker,))
-    with world, _script_context(script, args):
+    with world, _script_context(script, args), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # each warning once per place, as a run shows them
         try:
             runpy.run_path(script, run_name="__main__")
         except PlanStop:
             pass
         except SystemExit as stop:
             plan.exit_code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        except Exception as error:  # the script's own error, or fabriclite's refusal of its configuration
-            plan.error, plan.error_at_setup = _explain(error)
+        except Exception as error:  # the script's own error, fabriclite's refusal of its configuration, or a limit
+            if is_fake_limit(error):
+                plan.limit = _explain(error)[0]
+            else:
+                plan.error, plan.error_at_setup = _explain(error)
         plan.steps = world.observed.steps
         plan.configuration = describe(world.observed)
         plan.reads = list(world.reads)
+        plan.warnings = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught))
         if plan.steps:
             plan.memory = tracker.peak_by_kind()
             plan.peak_bytes = tracker.step_peak
@@ -114,13 +121,9 @@ class _script_context:  # noqa: N801 - used as a context manager, named like one
 
 
 def _explain(error: BaseException) -> tuple[str, bool]:
-    """("ValueError: message (raised at file:line)", whether fabriclite's setup raised it). An error raised inside
-    the plan's own machinery is no error of the run: it is re-raised."""
+    """("ValueError: message (from file:line)", whether fabriclite's setup raised it)."""
     frames = traceback.extract_tb(error.__traceback__)
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ours = [f for f in frames if f.filename.startswith(package)]
-    if ours and (ours[-1].filename.startswith(os.path.dirname(__file__)) or ours[-1].filename.endswith("_versions_fake.py")):
-        raise error
     at_setup = any(f.filename == os.path.join(package, "fabric.py") and f.name in _SETUP_CALLS for f in frames)
     user = [f for f in frames if not f.filename.startswith(package) and "site-packages" not in f.filename]
     where = f" (from {os.path.relpath(user[-1].filename)}:{user[-1].lineno})" if user else ""

@@ -24,7 +24,7 @@ import weakref
 from typing import Any
 
 import torch
-from fabriclite._versions_fake import storages, tensors_in, torch_dispatch_mode
+from fabriclite._versions_fake import is_fake, storages, tensors_in, torch_dispatch_mode
 
 KINDS = (
     "parameters",
@@ -64,13 +64,17 @@ class MemoryTracker(torch_dispatch_mode()):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        # A storage first seen as the output of a view op was not allocated here: its memory belongs to a buffer
+        # torch never allocated (``torch.frombuffer``, ``from_numpy``) or to a real tensor turned fake; the
+        # allocator does not count it, and neither does this.
+        counted = not func.is_view
         for tensor in tensors_in(out):
-            self._count(tensor)
+            self._count(tensor, counted)
         if func.namespace in _COLLECTIVE_NAMESPACES:
             self.mark(tensors_in((args, kwargs)), "collective buffers")
         return out
 
-    def _count(self, tensor: torch.Tensor) -> list[_Storage]:
+    def _count(self, tensor: torch.Tensor, counted: bool = True) -> list[_Storage]:
         records = []
         try:
             held = storages(tensor)
@@ -80,12 +84,14 @@ class MemoryTracker(torch_dispatch_mode()):
             key = id(storage)
             record = self.alive.get(key)
             if record is None:
-                record = self._add(storage, key)
+                record = self._add(storage, key, counted, is_fake(tensor))
             records.append(record)
         return records
 
-    def _add(self, storage: Any, key: int) -> _Storage:
-        record = _Storage(storage.nbytes(), "activations and temporaries" if self.stepping else "other")
+    def _add(self, storage: Any, key: int, counted: bool, fake: bool) -> _Storage:
+        nbytes = storage.nbytes() if counted else 0
+        # Real tensors in a plan are the host's bookkeeping (a loader's sample order, pickled objects): "other".
+        record = _Storage(nbytes, "activations and temporaries" if self.stepping and fake else "other")
         self.alive[key] = record
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
         self.bytes += record.nbytes

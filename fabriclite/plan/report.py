@@ -56,15 +56,42 @@ class Plan:
     device_memory: int | None = None
     error: str | None = None  # "ValueError: ..." that the script raised, with where
     error_at_setup: bool = False
+    limit: str | None = None  # what fake tensors could not do, where: the plan stopped there (no error of the run)
     exit_code: int | None = None  # the script called sys.exit(code) before the plan's end
     reads: list[Any] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # "UserWarning: message", each once, as the run shows them
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         """Whether the plan traced its steps without an error (and the peak fits ``device_memory``, if given)."""
         fits = self.device_memory is None or (self.peak_bytes or 0) <= self.device_memory
-        return self.error is None and self.exit_code in (None, 0) and self.memory is not None and fits
+        done = self.error is None and self.limit is None and self.exit_code in (None, 0)
+        return done and self.memory is not None and fits
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain values (``fabriclite plan --json``): bytes as ints, the configuration as a dict."""
+        return {
+            "script": self.script,
+            "world_size": self.world_size,
+            "devices": self.devices,
+            "num_nodes": self.num_nodes,
+            "steps": self.steps,
+            "configuration": dict(self.configuration),
+            "memory": self.memory,
+            "peak_bytes": self.peak_bytes,
+            "setup_peak_bytes": self.setup_peak_bytes,
+            "device_memory": self.device_memory,
+            "error": self.error,
+            "error_at_setup": self.error_at_setup,
+            "limit": self.limit,
+            "exit_code": self.exit_code,
+            "values_read": [read.where for read in self.reads],
+            "warnings": self.warnings,
+            "not_estimated": dict(NOT_ESTIMATED),
+            "seconds": round(self.seconds, 2),
+            "ok": self.ok,
+        }
 
     def format(self) -> str:
         """The report ``fabriclite plan`` prints."""
@@ -77,6 +104,13 @@ class Plan:
         if self.error is not None:
             when = "at setup" if self.error_at_setup else "while the steps ran"
             lines += [f"ERROR the real run raises this {when}:", f"  {self.error}", ""]
+        elif self.limit is not None:
+            lines += [
+                "NOT PLANNED past this point: the script needs what fake tensors cannot give (a limit of the plan, "
+                "not an error of the run):",
+                f"  {self.limit}",
+                "",
+            ]
         elif self.exit_code not in (None, 0):
             lines += [f"ERROR the script exited with code {self.exit_code} before its steps.", ""]
         if self.configuration:
@@ -85,6 +119,10 @@ class Plan:
             lines += [f"  {name:<{width}}  {value}" for name, value in self.configuration]
             lines.append("")
         lines += self._memory_lines()
+        if self.warnings:
+            lines.append("warnings the run shows")
+            lines += [f"  {_shorten(text)}" for text in self.warnings]
+            lines.append("")
         if self.reads:
             places = Counter(read.where for read in self.reads)
             lines.append(
@@ -111,6 +149,11 @@ class Plan:
             lines.append(f"  device memory {format_bytes(self.device_memory)}: {verdict}")
         lines.append("")
         return lines
+
+
+def _shorten(text: str, limit: int = 400) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------- the configuration, read off the objects
