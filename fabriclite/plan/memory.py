@@ -3,7 +3,7 @@ creation until it is freed (a weak reference on the storage; a view shares its b
 the peak is kept with the storages alive at that moment. It counts fake tensors (a plan) and real ones alike.
 
 What a storage is comes from what the script does with it, learnt as the run goes: the model's parameters and
-buffers at its first forward, the gradients as the optimizer starts a step, the optimizer's state as it ends one,
+buffers (which FSDP does not shard) at its first forward, the gradients as the optimizer starts a step, the optimizer's state as it ends one,
 the tensors a collective sends or receives (FSDP's gathered and reduced buffers, DDP's gradient buckets) when it
 runs. A storage takes the first of those kinds that applies, in the order of ``KINDS``; anything else made once the
 steps run is an activation or a temporary (saved for backward, an op's scratch, the input batch), anything made
@@ -28,6 +28,7 @@ from fabriclite._versions_fake import is_fake, storages, tensors_in, torch_dispa
 
 KINDS = (
     "parameters",
+    "buffers",
     "optimizer state",
     "gradients",
     "collective buffers",
@@ -122,7 +123,8 @@ class MemoryTracker(torch_dispatch_mode()):
     def on_first_forward(self, module: Any) -> None:
         """A model ``fabric.setup`` returned runs its first forward: its parameters and buffers are known, and the
         steps begin."""
-        self.mark(list(module.parameters()) + list(module.buffers()), "parameters")
+        self.mark(list(module.parameters()), "parameters")
+        self.mark(list(module.buffers()), "buffers")
         if not self.stepping:
             self.stepping = True
             self.step_peak = self.bytes
