@@ -167,10 +167,17 @@ class FakeWorld:
         return self.value_reads.reads
 
     def __enter__(self) -> FakeWorld:
+        try:
+            self._enter(self._stack)
+        except BaseException:
+            self._stack.close()  # what was entered before the failure is given back
+            raise
+        return self
+
+    def _enter(self, stack: ExitStack) -> None:
         from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        stack = self._stack
         stack.enter_context(
             _environment(
                 {
@@ -195,7 +202,6 @@ class FakeWorld:
             stack.enter_context(tracker)
         stack.enter_context(self.value_reads)
         stack.enter_context(HealthyTruths())
-        return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self._stack.close()
