@@ -1,6 +1,7 @@
 """The ``fabriclite`` command line: ``fabriclite run`` starts a script on several processes or nodes,
-``fabriclite consolidate`` merges a sharded checkpoint into one file, and ``fabriclite plot`` draws the metrics of
-CSVLogger runs side by side.
+``fabriclite plan`` dry-runs it as rank 0 of the world it would have (``fabriclite.plan``), ``fabriclite
+consolidate`` merges a sharded checkpoint into one file, and ``fabriclite plot`` draws the metrics of CSVLogger runs
+side by side.
 
 ``run`` checks every setting and exports the ones the script's ``Fabric()`` reads (see ``choices.apply_cli_settings``).
 It starts and watches this machine's processes itself (``supervisor``: restarts with ``--max-restarts``,
@@ -11,6 +12,7 @@ Signals reach it directly and a failed rank gives a non-zero exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -41,6 +43,8 @@ RUN_SETTINGS: dict[str, str] = {
     "node_timeout": "Seconds the nodes wait for each other to join, at the start and after a restart: a node lost "
     "for that long ends the run (torch's rendezvous join timeout; default: 600; only with --num-nodes > 1).",
 }
+# What `fabriclite plan` takes of them: the settings the script's Fabric() reads (none about reaching other nodes).
+PLAN_SETTINGS = ("accelerator", "strategy", "devices", "num_nodes", "precision", "state_dict_type")
 _INT_SETTINGS = ("num_nodes", "node_rank", "main_port", "max_restarts", "node_timeout")
 _STR_SETTINGS = ("accelerator", "strategy", "main_address", "state_dict_type")
 _DEFAULT_MULTI_NODE_PORT = 29500
@@ -71,13 +75,25 @@ Examples:
 """
 
 
+_PLAN_EPILOG = """\
+The script runs as it would under `fabriclite run` with the same settings, until its optimizers stepped twice:
+whatever it does before (reading data, making log folders) it does. Values it reads from tensors (a loss it
+prints) are stand-ins. Exit code: 0 when the steps ran and fit --device-memory, 1 when the run would fail or not
+fit, 2 for bad arguments.
+
+Examples:
+  fabriclite plan --devices 8 --num-nodes 128 --strategy fsdp --device-memory 80GiB train.py --batch-size 4
+  fabriclite plan --devices 2 --json examples/gpt/train.py --quick
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``fabriclite`` command. Usage: ``build_parser().parse_args(["run", "x.py"])``."""
     parser = argparse.ArgumentParser(
         prog="fabriclite", description="Run fabriclite scripts on several processes or machines."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,consolidate,plot}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,plan,consolidate,plot}")
 
     run = commands.add_parser(
         "run",
@@ -87,12 +103,28 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("--config", metavar="FILE.yaml", help="YAML file with any of the settings below.")
-    for key, text in RUN_SETTINGS.items():
-        run.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int if key in _INT_SETTINGS else str, help=text)
-    run.add_argument("script", nargs="?", help="The Python script to run in every process.")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments passed on to the script.")
+    _add_settings(run, RUN_SETTINGS, "The Python script to run in every process.")
     run.set_defaults(handler=_run, subparser=run)
+
+    plan = commands.add_parser(
+        "plan",
+        help="Dry-run a script as rank 0 of the run it would be: configuration, errors, memory per rank.",
+        description="Run SCRIPT unchanged as global rank 0 of devices x num_nodes processes, in this one process, "
+        "on fake tensors and torch's fake process group (no GPU, nothing started), through its first two "
+        "optimizer steps; print the configuration fabriclite resolved, the error the real run would raise, and "
+        "rank 0's peak memory split into parameters, gradients, optimizer state and activations. docs/plan.md.",
+        epilog=_PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_settings(plan, PLAN_SETTINGS, "The Python script to plan.")
+    plan.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="The memory of one device, e.g. 80GiB or 141GB: the plan says whether rank 0's peak fits in it "
+        "(exit code 1 when it does not).",
+    )
+    plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object instead of text.")
+    plan.set_defaults(handler=_plan, subparser=plan)
 
     consolidate = commands.add_parser(
         "consolidate",
@@ -130,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--x", default="step", help="The column for the x axis (default: step).")
     plot.set_defaults(handler=_plot, subparser=plot)
     return parser
+
+
+def _add_settings(command: argparse.ArgumentParser, keys: Any, script_help: str) -> None:
+    # --config, one flag per setting in `keys`, then the script and everything after it (which the script gets).
+    command.add_argument("--config", metavar="FILE.yaml", help="YAML file with any of the settings below.")
+    for key in keys:
+        flag = f"--{key.replace('_', '-')}"
+        command.add_argument(flag, dest=key, type=int if key in _INT_SETTINGS else str, help=RUN_SETTINGS[key])
+    command.add_argument("script", nargs="?", help=script_help)
+    command.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments passed on to the script.")
 
 
 def check_setting(key: str, value: Any) -> Any:
@@ -273,6 +315,42 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fabriclite.processes.supervisor import Supervisor
 
     return Supervisor(command, processes, settings.get("max_restarts", 0), port=port, address=address).run()
+
+
+def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fabriclite.plan import parse_bytes, plan_script
+
+    try:
+        settings = load_config(args.config) if args.config else {}
+        unknown = sorted(set(settings) - set(PLAN_SETTINGS))
+        if unknown:
+            raise ValueError(f"--config {args.config}: {', '.join(unknown)} is for `fabriclite run`, not for plan.")
+        for key in PLAN_SETTINGS:
+            if getattr(args, key) is not None:
+                settings[key] = check_setting(key, getattr(args, key))
+        devices = settings.pop("devices", 1)
+        if not isinstance(devices, int) or devices < 1:
+            raise ValueError(f"devices={devices!r}: a plan needs a count of processes per node, e.g. --devices 8.")
+        num_nodes = settings.pop("num_nodes", 1)
+        memory = None if args.device_memory is None else parse_bytes(args.device_memory)
+        if args.script is None:
+            raise ValueError("no script to plan: name it after the options, e.g. `fabriclite plan --devices 8 train.py`.")
+        if not Path(args.script).is_file():
+            raise ValueError(f"script {args.script!r} does not exist (relative paths start at {os.getcwd()}).")
+    except ValueError as error:
+        parser.error(str(error))  # exits with code 2; nothing ran
+    for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
+        del os.environ[name]  # a plan inside a run must not inherit the run's settings
+    # With --json, what the script prints goes to stderr: stdout carries the JSON object alone.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        plan = plan_script(args.script, args.script_args, devices, num_nodes, memory, fabric_environment(settings))
+    if args.json:
+        import json
+
+        print(json.dumps(plan.to_dict()))
+    else:
+        print(plan.format())
+    return 0 if plan.ok else 1
 
 
 def _consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fabriclite._collections import apply_to_collection
+from fabriclite._versions_fake import real_tensors
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 # "mean" is a sum divided by the number of ranks afterwards.
@@ -213,12 +214,14 @@ def _explain(description: list[int]) -> str:
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """Rank ``src``'s picklable ``obj``, on every rank. Usage: ``path = broadcast_object(path)``."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    with real_tensors():  # pickled bytes, also in a script that `fabriclite plan` runs on fake tensors
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order. Usage: ``states = all_gather_object(rng_state)``."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
+    with real_tensors():  # pickled bytes, also in a script that `fabriclite plan` runs on fake tensors
+        dist.all_gather_object(gathered, obj, group=group)
     return gathered

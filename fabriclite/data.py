@@ -27,6 +27,7 @@ from torch.utils.data import (
 
 from fabriclite._collections import move_to_device
 from fabriclite._padding import set_padding
+from fabriclite._versions_fake import fake_mode_active, real_tensors
 from fabriclite.rank_zero import rank_zero_warn
 from fabriclite.seed import (
     capture_loader_rng,
@@ -121,6 +122,20 @@ class _SkipIterator:
         return next(self._it)
 
 
+def _drawn_outside_fake(loader: Any) -> Iterator[Any]:
+    with real_tensors():
+        batches = iter(loader)
+    while True:
+        with real_tensors():
+            batch = next(batches, _END)
+        if batch is _END:
+            return
+        yield batch
+
+
+_END = object()
+
+
 class _FabricDataLoader:
     """Iterates the user's loader, moves each batch to the device, and remembers where it is.
 
@@ -142,6 +157,9 @@ class _FabricDataLoader:
         # shard has a repeated sample; the others iterate the loader as it is.
         self._repeats: deque | None = None
         self._iterated = loader
+        # Under `fabriclite plan` (a FakeTensorMode) the sample order is still drawn for real: a fake randperm read
+        # index by index would cost a stand-in value per sample.
+        self._real_draws = fake_mode_active()
         sampler = getattr(loader, "sampler", None)
         # Batches coming back out of order (in_order=False) cannot be matched with their indices: distributed_loader
         # warned that metrics will count the repeats twice.
@@ -177,7 +195,7 @@ class _FabricDataLoader:
             self._epochs_started += 1
             self._set_sampler_epoch()
             self._epoch_rng = capture_loader_rng(self._loader)
-            batches = iter(self._iterated)
+            batches = _drawn_outside_fake(self._iterated) if self._real_draws else iter(self._iterated)
             skip = 0
         self._yielded = skip
         self._in_epoch = True

@@ -47,6 +47,7 @@ PUBLIC_MODULES = (
     "fabriclite.loggers",
     "fabriclite.metrics",
     "fabriclite.kernels",
+    "fabriclite.plan",
 )
 # The reference reads the kernels/ folder as the package it is in the repository (mkdocstrings finds packages by
 # folder); it is installed as fabriclite.kernels.

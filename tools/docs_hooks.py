@@ -77,6 +77,7 @@ def peak_flops_table() -> str:
 GENERATED: dict[str, Callable[[], str]] = {
     "fabriclite --help": lambda: command_help(),
     "fabriclite run --help": lambda: command_help("run"),
+    "fabriclite plan --help": lambda: command_help("plan"),
     "fabriclite consolidate --help": lambda: command_help("consolidate"),
     "fabriclite plot --help": lambda: command_help("plot"),
     "peak FLOP/s table": peak_flops_table,

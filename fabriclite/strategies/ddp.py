@@ -9,6 +9,7 @@ from contextlib import nullcontext
 from typing import Any, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fabriclite.strategies.parallel import ParallelStrategy
@@ -36,7 +37,11 @@ class DDPStrategy(ParallelStrategy):
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        wrapped = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        fake = dist.get_backend() == "fake"  # `fabriclite plan`: fake tensors on torch's fake process group
+        kwargs = {"init_sync": False, **self.ddp_kwargs} if fake else self.ddp_kwargs
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, **kwargs)
+        if fake:
+            _run_on_fake_tensors(wrapped)
         self._wrapped.add(wrapped)
         return wrapped
 
@@ -88,6 +93,38 @@ class DDPStrategy(ParallelStrategy):
                 f"no_backward_sync under DDP expects the model returned by fabric.setup, got {type(module).__name__}."
             )
         return module.no_sync()
+
+
+def _run_on_fake_tensors(wrapped: DistributedDataParallel) -> None:
+    """Let DDP run on the fake tensors of `fabriclite plan`, where three of its steps read values that fake tensors
+    do not have: its check that every rank holds the same shapes (skipped by ``init_sync=False``: every pretend rank
+    runs this very model), the futures of its all-reduce (which carry no tensors on the fake group: the all-reduce
+    runs in a hook instead) and the rebuild of its buckets in the second iteration (skipped: the rebuilt buckets
+    regroup the same gradients, so they hold the same bytes)."""
+    wrapped.register_comm_hook(None, _all_reduce_bucket)
+    wrapped.reducer = _WithoutRebuild(wrapped.reducer)
+
+
+class _WithoutRebuild:
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def _all_reduce_bucket(state, bucket):  # noqa: ANN001, ANN201 - DDP refuses any annotation but its own classes
+    """DDP's own all-reduce (the average of a gradient bucket, in place), as a comm hook whose future holds the
+    bucket: what DDP's reducer expects back, which the fake process group's futures do not give."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    dist.all_reduce(buffer)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(buffer)
+    return done
 
 
 def _parameters_behind(loss: torch.Tensor) -> list[torch.Tensor]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fabriclite._versions_fake import real_tensors
+
 MESH_DIMS = ("data_parallel", "tensor_parallel")  # ModelParallelStrategy's mesh, as Lightning names its dimensions
 
 
@@ -70,7 +72,8 @@ def sharding_mesh(kind: str, request: Any, strategy: Any) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     if kind == "flat":
-        return init_device_mesh(strategy.root_device.type, (strategy.world_size,))
+        with real_tensors():  # a mesh holds rank numbers, also in a script `fabriclite plan` runs on fake tensors
+            return init_device_mesh(strategy.root_device.type, (strategy.world_size,))
     if is_device_mesh(request):
         if request.ndim != 2 or request.size() != strategy.world_size:
             raise ValueError(
@@ -85,7 +88,8 @@ def sharding_mesh(kind: str, request: Any, strategy: Any) -> Any:
             f"device_mesh={shape} holds {shape[0] * shape[1]} processes, but the world size is "
             f"{strategy.world_size}: (replicate, shard) must multiply to it."
         )
-    return init_device_mesh(strategy.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+    with real_tensors():
+        return init_device_mesh(strategy.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def model_parallel_mesh(data_parallel_size: int | str, tensor_parallel_size: int | str, strategy: Any) -> Any:
@@ -100,4 +104,5 @@ def model_parallel_mesh(data_parallel_size: int | str, tensor_parallel_size: int
             f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp}, but the world size is "
             f"{strategy.world_size} (devices * num_nodes). Choose sizes whose product is {strategy.world_size}."
         )
-    return init_device_mesh(strategy.root_device.type, (dp, tp), mesh_dim_names=MESH_DIMS)
+    with real_tensors():
+        return init_device_mesh(strategy.root_device.type, (dp, tp), mesh_dim_names=MESH_DIMS)

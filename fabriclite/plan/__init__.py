@@ -1,0 +1,130 @@
+"""Plan a run before launching it: ``fabriclite plan --devices 8 --num-nodes 128 train.py ...`` runs the script,
+unchanged, as global rank 0 of the 1,024 processes it would have, in this one process, with no GPU and nobody else
+started: torch's fake process group, every tensor a fake one (``world.py``), the real ``Fabric``, strategy, precision
+and ``fabric.backward``, until the script's optimizers stepped twice (the second step is the steady state: its
+backward holds the optimizer's state too). Then it reports the configuration fabriclite resolved, rank 0's memory at
+the peak of the steps by kind (``memory.py``), and the error the real run would raise (``report.py``).
+
+Usage::
+
+    from fabriclite.plan import plan_script
+    plan = plan_script("examples/gpt/train.py", ["--quick"], devices=8, num_nodes=2, device_memory="80GiB")
+    print(plan.format())
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from fabriclite._versions_fake import is_fake_limit
+from fabriclite.plan.memory import MemoryTracker
+from fabriclite.plan.report import Plan, describe, format_bytes
+from fabriclite.plan.world import FakeWorld, PlanStop
+
+__all__ = ["Plan", "parse_bytes", "plan_script", "format_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+# Where fabriclite's setup runs: an error raised inside one of these is one the real run raises before its steps.
+_SETUP_CALLS = {"__init__", "launch", "setup", "setup_module", "setup_optimizers", "setup_dataloaders", "init_module"}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GiB"`` -> ``85899345920``; also GB (powers of 10), MiB, a plain number of bytes.
+
+    Usage: ``parse_bytes("141GB")``."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"device memory {text!r} is not a size: expected a number with a unit, such as 80GiB, 141GB or 24576MiB."
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def plan_script(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    devices: int = 1,
+    num_nodes: int = 1,
+    device_memory: str | int | None = None,
+    settings: dict[str, str] | None = None,
+    steps: int = 2,
+) -> Plan:
+    """Run ``script`` with ``args`` as rank 0 of ``devices * num_nodes`` processes on fake tensors, stop it after
+    ``steps`` optimizer steps, and return what was found. ``settings`` are more ``FABRICLITE_CLI_*`` variables for
+    the script's ``Fabric()`` (accelerator, strategy, precision), as ``fabriclite run`` exports them.
+
+    Usage: ``print(plan_script("train.py", ["--strategy", "fsdp"], devices=8, num_nodes=128).format())``.
+    """
+    for name, value in (("devices", devices), ("num_nodes", num_nodes), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a whole number >= 1.")
+    script = os.fspath(script)
+    if not os.path.isfile(script):
+        raise ValueError(f"script {script!r} does not exist (relative paths start at {os.getcwd()}).")
+    memory = None if device_memory is None else parse_bytes(device_memory)
+    world_size = devices * num_nodes
+    variables = {"FABRICLITE_CLI_DEVICES": str(devices), "FABRICLITE_CLI_NUM_NODES": str(num_nodes), **(settings or {})}
+    plan = Plan(script, world_size, devices, num_nodes, device_memory=memory)
+    tracker = MemoryTracker()
+    start = time.perf_counter()
+    world = FakeWorld(world_size, steps=steps, settings=variables, trackers=(tracker,))
+    with world, _script_context(script, args), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # each warning once per place, as a run shows them
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except PlanStop:
+            pass
+        except SystemExit as stop:
+            plan.exit_code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except Exception as error:  # the script's own error, fabriclite's refusal of its configuration, or a limit
+            if is_fake_limit(error):
+                plan.limit = _explain(error)[0]
+            else:
+                plan.error, plan.error_at_setup = _explain(error)
+        plan.steps = world.observed.steps
+        plan.configuration = describe(world.observed)
+        plan.reads = list(world.reads)
+        plan.warnings = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught))
+        if plan.steps:
+            plan.memory = tracker.peak_by_kind()
+            plan.peak_bytes = tracker.step_peak
+        plan.setup_peak_bytes = tracker.setup_peak
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+class _script_context:  # noqa: N801 - used as a context manager, named like one
+    """``sys.argv`` and ``sys.path[0]`` as ``python script.py args`` sets them, restored afterwards."""
+
+    def __init__(self, script: str, args: Sequence[str]) -> None:
+        self.argv = [script, *args]
+        self.path0 = os.path.dirname(os.path.abspath(script))
+
+    def __enter__(self) -> None:
+        self.saved = (sys.argv, list(sys.path))
+        sys.argv = self.argv
+        sys.path.insert(0, self.path0)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        sys.argv, sys.path[:] = self.saved
+
+
+def _explain(error: BaseException) -> tuple[str, bool]:
+    """("ValueError: message (from file:line)", whether fabriclite's setup raised it)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    at_setup = any(f.filename == os.path.join(package, "fabric.py") and f.name in _SETUP_CALLS for f in frames)
+    user = [f for f in frames if not f.filename.startswith(package) and "site-packages" not in f.filename]
+    where = f" (from {os.path.relpath(user[-1].filename)}:{user[-1].lineno})" if user else ""
+    return f"{type(error).__name__}: {error}{where}", at_setup

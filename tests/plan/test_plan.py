@@ -1,0 +1,104 @@
+"""``fabriclite plan`` against the real thing: the examples' GPT planned as rank 0 of 1 and 2 processes, compared
+with real runs of the same script on as many gloo processes (``fabriclite run``), stopped after the same two
+optimizer steps, whose peak memory torch's profiler counts allocation by allocation (tests/scripts/measure_memory.py);
+and wrong configurations, which must fail in the plan as they fail at launch. Each plan runs in one process of its
+own (the ``fabriclite plan`` command), as a user runs it."""
+
+import json
+import re
+
+import pytest
+from helpers import ROOT, SCRIPTS, run_python
+
+GPT = str(ROOT / "examples" / "gpt" / "train.py")
+CONFIGS = str(SCRIPTS / "plan_configs.py")
+TIMEOUT = 600  # a loaded 2-core machine: a real 2-process step of the GPT takes seconds, its plan as long
+GPT_PARAMETERS = 842_496  # GPTConfig(): the default model of examples/gpt/train.py
+
+
+def plan(*args: str, check: bool = False) -> dict:
+    result = run_python("-m", "fabriclite.cli", "plan", "--json", *args, timeout=TIMEOUT, check=check)
+    assert result.stdout.strip(), result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def measured_peaks(devices: int, *script: str) -> list[int]:
+    result = run_python(
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", str(devices),
+        str(SCRIPTS / "measure_memory.py"), *script, timeout=TIMEOUT,
+    )  # fmt: skip
+    found = re.findall(r"MEASURED (\d+) (\d+) steps (\d+)", result.stdout)
+    assert len(found) == devices and all(steps == "2" for _, _, steps in found), result.stdout[-3000:]
+    return [int(peak) for _, peak, _ in sorted(found)]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_planned_peak_of_the_gpt_example_is_within_10_percent_of_a_real_run(tmp_path, strategy, devices):
+    args = [GPT, "--strategy", strategy, "--eval-windows", "32", "--out-dir", str(tmp_path / "run")]
+    predicted = plan("--devices", str(devices), *args, check=True)
+    measured = measured_peaks(devices, *args)
+    assert predicted["ok"] and predicted["steps"] == 2 and predicted["error"] is None
+    rank0 = measured[0]
+    assert abs(predicted["peak_bytes"] - rank0) <= 0.10 * rank0, (predicted["peak_bytes"], measured)
+    # The kinds are counted, not guessed: rank 0 holds its share of the fp32 weights, AdamW two moments of each
+    # (plus a step count per parameter tensor), and the parts add up to the peak.
+    shard = GPT_PARAMETERS // devices if strategy == "fsdp" else GPT_PARAMETERS
+    memory = predicted["memory"]
+    assert memory["parameters"] == 4 * shard
+    assert 2 * 4 * shard <= memory["optimizer state"] <= 2 * 4 * shard + 4 * 64
+    assert sum(memory.values()) == predicted["peak_bytes"]
+    assert memory["activations and temporaries"] > memory["parameters"]  # the batch's activations dominate here
+
+
+def test_the_plan_reports_the_configuration_fabriclite_resolved(tmp_path):
+    args = [GPT, "--quick", "--strategy", "fsdp", "--precision", "bf16-mixed", "--out-dir", str(tmp_path)]
+    config = plan("--devices", "4", "--num-nodes", "2", *args, check=True)["configuration"]
+    assert config["strategy"] == "FSDPStrategy, 8 processes on cpu"
+    assert config["device mesh"] == "dim0 8"
+    assert config["FSDP units"].startswith("3: 2 x Block, the root")
+    assert config["precision"] == "bf16-mixed: forward computes in bfloat16"
+    assert config["model"] == "GPT, 120,576 parameters; this rank holds 15,072 (float32)"
+    assert config["optimizer"] == "AdamW; state float32"
+
+
+def test_a_mesh_that_does_not_divide_the_world_fails_in_the_plan_with_the_error_of_a_real_launch():
+    launch = run_python(
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", CONFIGS, "hybrid-mesh",
+        timeout=TIMEOUT, check=False,
+    )  # fmt: skip
+    expected = "ValueError: device_mesh=(3, 2) holds 6 processes, but the world size is 2"
+    assert launch.returncode != 0 and expected in launch.stderr, launch.stderr[-3000:]
+    planned = plan("--devices", "2", CONFIGS, "hybrid-mesh")
+    assert planned["error"].startswith(expected) and planned["error_at_setup"]
+    assert not planned["ok"] and planned["steps"] == 0
+
+
+def test_a_tensor_parallel_plan_naming_a_missing_layer_shows_the_warning_of_a_real_launch():
+    launch = run_python("-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", CONFIGS,
+                        "tp-missing-layer", timeout=TIMEOUT)  # fmt: skip
+    warning = "Parallelize plan key 'gate' could not be resolved"
+    assert warning in launch.stderr and "TRAINED 3" in launch.stdout
+    planned = plan("--devices", "2", CONFIGS, "tp-missing-layer")
+    assert any(warning in text for text in planned["warnings"])
+    # Tensor parallel x FSDP builds device meshes inside fully_shard, which fake tensors cannot: the plan says it
+    # stopped there, and does not call it an error of the run.
+    assert planned["error"] is None and "DynamicOutputShapeException" in planned["limit"] and not planned["ok"]
+
+
+def test_a_configuration_that_trains_is_planned_to_its_second_step_and_fits():
+    planned = plan("--devices", "2", "--device-memory", "1GiB", CONFIGS, "fine", check=True)
+    assert planned["ok"] and planned["steps"] == 2 and planned["error"] is None and planned["limit"] is None
+    too_small = plan("--devices", "2", "--device-memory", "1KiB", CONFIGS, "fine")
+    assert not too_small["ok"] and too_small["peak_bytes"] == planned["peak_bytes"]
+
+
+def test_the_plan_command_refuses_bad_arguments_before_running_anything(tmp_path):
+    for args, message in (
+        (["--device-memory", "lots", CONFIGS, "fine"], "device memory 'lots' is not a size"),
+        (["--devices", "auto", CONFIGS, "fine"], "a plan needs a count of processes per node"),
+        ([str(tmp_path / "missing.py")], "does not exist"),
+        ([], "no script to plan"),
+    ):
+        result = run_python("-m", "fabriclite.cli", "plan", *args, timeout=120, check=False)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)

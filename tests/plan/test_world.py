@@ -1,0 +1,51 @@
+"""The pretend world a plan runs in (``fabriclite/plan/world.py``): rank 0 of the planned world on torch's fake
+process group, every tensor fake, values read as healthy stand-ins and noted, the script stopped after its steps,
+and everything given back afterwards."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fabriclite._versions_fake import is_fake
+from fabriclite.plan.world import FakeWorld, PlanStop
+
+
+def test_the_world_is_rank_0_of_the_planned_size_and_everything_is_given_back():
+    before = dict(os.environ)
+    with FakeWorld(world_size=1024, settings={"FABRICLITE_CLI_DEVICES": "8"}):
+        assert dist.get_world_size() == 1024 and dist.get_rank() == 0 and dist.get_backend() == "fake"
+        assert os.environ["WORLD_SIZE"] == "1024" and os.environ["FABRICLITE_CLI_DEVICES"] == "8"
+        weights = torch.empty(1_000_000, 1_000)  # 4 GB that are never allocated
+        assert is_fake(weights)
+    assert not dist.is_initialized() and dict(os.environ) == before
+    assert not is_fake(torch.empty(2))
+
+
+def test_values_read_from_fake_tensors_are_those_a_healthy_run_sees_and_each_read_is_noted():
+    with FakeWorld(world_size=2) as world:
+        loss = torch.randn(4).pow(2).mean()
+        norm = torch.linalg.vector_norm(torch.randn(10))
+        assert loss.item() == 0.0
+        assert bool(torch.isfinite(norm)) is True
+        assert bool(torch.isnan(norm)) is False
+        assert bool(~torch.isfinite(norm).all()) is False
+        assert bool(torch.logical_or(norm.isnan(), norm.isinf())) is False
+        steps = torch.tensor(0.0)  # a small constant keeps its value, as an optimizer's step count does
+        steps += 1
+        assert steps.item() == 1.0
+    assert len(world.reads) == 5
+    assert all(read.where.startswith(os.path.join("tests", "plan", "test_world.py")) for read in world.reads)
+    assert [read.given for read in world.reads] == [0.0, True, False, False, False]
+
+
+def test_the_script_stops_after_the_planned_optimizer_steps():
+    with FakeWorld(world_size=4, steps=2) as world:
+        weight = torch.nn.Parameter(torch.randn(8))
+        optimizer = torch.optim.AdamW([weight])
+        weight.grad = torch.randn(8)
+        optimizer.step()
+        with pytest.raises(PlanStop):
+            optimizer.step()
+    assert world.observed.steps == 2
