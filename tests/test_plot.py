@@ -127,7 +127,7 @@ def test_fabriclite_plot_writes_a_png_in_new_folders_and_says_what_it_drew(logs,
 def test_plot_is_a_listed_and_documented_subcommand(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
-    assert "{run,consolidate,plot}" in capsys.readouterr().out
+    assert "{run,plan,consolidate,plot}" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["plot", "--help"])
     assert "LOGDIR [LOGDIR ...]" in capsys.readouterr().out

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import signal
 import socket
 import sys
@@ -326,6 +325,8 @@ def slurm_local_launch(processes: int, num_nodes: int) -> str | None:
         why = "no job step: a batch script or an salloc shell"
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
     wanted = max(num_nodes, nodes)
+    import shlex  # only for this message
+
     srun = f"srun --nodes={wanted} --ntasks-per-node={processes} python {shlex.join(sys.argv)}"
     if num_nodes > 1:
         raise ValueError(
