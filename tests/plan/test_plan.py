@@ -140,3 +140,35 @@ def test_the_plan_command_refuses_bad_arguments_before_running_anything(tmp_path
         result = run_python("-m", "fabriclite.cli", "plan", *args, timeout=120, check=False)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
 
+
+def test_the_bytes_handed_to_collectives_in_a_step_and_the_checkpoint_per_rank_match_a_real_run(tmp_path):
+    args = [GPT, "--strategy", "fsdp", "--eval-windows", "32", "--sample-tokens", "0"]
+    predicted = plan("--devices", "2", *args, "--out-dir", str(tmp_path / "plan"), check=True)
+    by_name = {row["collective"]: row for row in predicted["collectives"]}
+    # FSDP2 under bf16-mixed: 5 units all-gather their bf16 shards in forward and again in backward, and
+    # reduce-scatter their fp32 gradients once.
+    assert by_name["all_gather"]["calls"] == 10 and by_name["all_gather"]["bytes_in"] == 2 * 2 * GPT_PARAMETERS // 2
+    assert by_name["reduce_scatter"]["calls"] == 5 and by_name["reduce_scatter"]["bytes_in"] == 4 * GPT_PARAMETERS
+    assert by_name["reduce_scatter"]["bytes_sent"] == 4 * GPT_PARAMETERS // 2  # (n - 1) / n of it, on a ring
+    # What gloo itself records for the same step of a real run (its reduce-scatter all-reduces the whole input; the
+    # plan does not see the few hundred bytes DTensor all-reduces inside an op while clipping the gradients).
+    result = run_python(
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", str(SCRIPTS / "measure_memory.py"),
+        *args, "--out-dir", str(tmp_path / "measured"), timeout=TIMEOUT,
+    )  # fmt: skip
+    sent = {(rank, name): int(n) for rank, name, n in re.findall(r"SENT (\d+) (\w+) (\d+)", result.stdout)}
+    assert sent[("0", "all_gather")] == by_name["all_gather"]["bytes_in"], sent
+    assert 0 <= sent[("0", "all_reduce")] - by_name["reduce_scatter"]["bytes_in"] <= 4 * 1024, sent
+    # The checkpoint a real fabric.save writes at step 2: one file of shards per rank, within 10% of what the plan
+    # says each rank writes (the files also hold the loader's position, the schedule, the random streams).
+    run_python(
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", *args, "--max-steps", "2",
+        "--save-every", "2", "--out-dir", str(tmp_path / "saved"), timeout=TIMEOUT,
+    )  # fmt: skip
+    checkpoint = predicted["checkpoint"]
+    assert checkpoint["sharded"] and checkpoint["rank0"] == checkpoint["total"] // 2
+    for rank in (0, 1):
+        written = (tmp_path / "saved" / "last.ckpt" / f"__{rank}_0.distcp").stat().st_size
+        assert abs(written - checkpoint["rank0"]) <= 0.10 * written, (rank, written, checkpoint)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "saved" / "last.ckpt").iterdir())
+    assert abs(on_disk - checkpoint["total"]) <= 0.10 * on_disk, (on_disk, checkpoint)
