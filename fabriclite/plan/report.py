@@ -22,6 +22,10 @@ NOT_ESTIMATED = (
     ("other kinds of rank (tensor-parallel positions, the last rank of an uneven split)", "only rank 0 is planned"),
     ("torch.compile, Fabric(kernels=True)", "planned as eager torch ops: compiled kernels may keep less"),
     (
+        "collectives DTensor runs inside an op (partial norms while clipping, redistributing an op's input)",
+        "torch runs them below the dispatch modes the plan counts with: their bytes and buffers are not counted",
+    ),
+    (
         "a GPU's attention kernels",
         "activations are those of this machine's kernels (on a CPU, attention's math path); flash attention on "
         "a GPU keeps less",
@@ -152,7 +156,6 @@ class Plan:
             lines.append(f"  device memory {format_bytes(self.device_memory)}: {verdict}")
         lines.append("")
         return lines
-
 
     def _traffic_lines(self) -> list[str]:
         if self.collectives is None or self.checkpoint is None:
