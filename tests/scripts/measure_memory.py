@@ -6,7 +6,7 @@ The measure is torch's own: the profiler's memory events (``profile_memory=True`
 every free the CPU allocator reports, summed in order; their running total's maximum is the peak of the bytes
 tensors held, as ``torch.cuda.max_memory_allocated`` is on a GPU. It counts from before the script starts, as the
 plan does. It also counts more than tensors: scratch that kernels and gloo allocate inside an op, whose overlap with
-the peak depends on how the processes' threads happen to run (on a loaded machine, by up to about 10%).
+the peak depends on how the processes' threads happen to run (4 processes on 2 loaded cores: up to 20%).
 
 Second, the tensors alive, counted as the plan counts them (``fabriclite.plan.memory.MemoryTracker``), here on the
 real tensors of the real run: each storage an op returns, from its creation until it is freed. The issue's measure
