@@ -3,7 +3,12 @@ SwiGLU, a 128,256-token vocabulary, 8,192 tokens of context: 6.96B parameters; L
 keys and values and an untied head, which this GPT does not), meant to be planned, not run: on this machine it would
 need 28 GB for its weights alone. ``benchmarks/plan_memory.py`` times ``fabriclite plan`` on it.
 
-Usage: ``fabriclite plan --devices 8 --num-nodes 128 --strategy fsdp benchmarks/plan_llama_shape.py --empty-init``.
+``--hsdp`` shards over the devices of a node and replicates across nodes (HSDP, FSDPStrategy's hybrid sharding on
+its default (nodes, devices) mesh); ``--tp`` splits each block over the devices of a node (the example's
+``parallel.py``) and shards with FSDP2 across nodes (ModelParallelStrategy's default sizes).
+
+Usage: ``fabriclite plan --devices 8 --num-nodes 128 --strategy fsdp benchmarks/plan_llama_shape.py --empty-init``;
+``fabriclite plan --devices 8 --num-nodes 128 benchmarks/plan_llama_shape.py --empty-init --tp``.
 """
 
 import argparse
@@ -14,8 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 from model import GPT, GPTConfig  # noqa: E402
+from parallel import parallelize  # noqa: E402
 
 from fabriclite import Fabric  # noqa: E402
+from fabriclite.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
 
 LLAMA_3_8B = GPTConfig(block_size=8192, vocab_size=128256, n_layer=32, n_head=32, n_embd=4096, llama=True)
 
@@ -24,8 +31,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--empty-init", action="store_true", help="build under fabric.init_module(empty_init=True)")
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument("--hsdp", action="store_true", help="shard within a node, replicate across nodes")
+    layout.add_argument("--tp", action="store_true", help="tensor parallel within a node x FSDP2 across nodes")
     args = parser.parse_args()
-    fabric = Fabric(precision="bf16-mixed")
+    strategy = "auto"  # what `fabriclite plan --strategy` says
+    if args.hsdp:
+        strategy = FSDPStrategy(sharding_strategy="HYBRID_SHARD")
+    elif args.tp:
+        strategy = ModelParallelStrategy(parallelize)
+    fabric = Fabric(strategy=strategy, precision="bf16-mixed")
     fabric.launch()
     with fabric.init_module(empty_init=args.empty_init or None):
         model = GPT(LLAMA_3_8B)

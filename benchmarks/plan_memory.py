@@ -4,8 +4,10 @@
    as rank 0 of 1 and 2 processes (``fabriclite plan --json``), then run for real on as many gloo processes
    (``fabriclite run``) through the same two optimizer steps, each rank's peak of tensor memory counted by torch's
    profiler (tests/scripts/measure_memory.py). CPU rows only: this machine has no GPU.
-2. Time to plan: the GPT at a Llama-3-8B shape (benchmarks/plan_llama_shape.py) under FSDP2 on 1,024 ranks
-   (8 x 128), built under ``init_module(empty_init=True)`` and built whole on every rank.
+   Also at 4 ranks: FSDP2, tensor parallel 2 x FSDP2 2 (``--tp 2``) and HSDP 2 x 2 (``--hsdp 2``), with the peak of
+   the tensors alive in the real run beside the profiler's.
+2. Time to plan: the GPT at a Llama-3-8B shape (benchmarks/plan_llama_shape.py) on 1,024 ranks (8 x 128): FSDP2
+   built under ``init_module(empty_init=True)`` and built whole on every rank, HSDP and tensor parallel x FSDP2.
 
 Prints a Markdown table for BENCHMARKS.md. Usage: ``python benchmarks/plan_memory.py [--skip-scale]``.
 """
@@ -37,12 +39,14 @@ def plan(*args: str) -> tuple[dict, float]:
     return json.loads(out.stdout.strip().splitlines()[-1]), time.perf_counter() - start
 
 
-def measure(devices: int, *args: str) -> list[int]:
+def measure(devices: int, *args: str) -> tuple[list[int], list[int]]:
+    """Each rank's peak: the profiler's, and of the tensors alive."""
     out = subprocess.run(
         [sys.executable, "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", str(devices), MEASURE, *args],
         capture_output=True, text=True, env=ENV, timeout=1200, check=True,
     )  # fmt: skip
-    return [int(peak) for _, peak in sorted(re.findall(r"MEASURED (\d+) (\d+)", out.stdout))]
+    found = sorted(re.findall(r"MEASURED (\d+) (\d+) steps \d+ alive (\d+)", out.stdout))
+    return [int(peak) for _, peak, _ in found], [int(alive) for _, _, alive in found]
 
 
 def mib(n: float) -> str:
@@ -53,29 +57,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-scale", action="store_true", help="only the predicted-against-measured rows")
     options = parser.parse_args()
-    print("| model | strategy | ranks | predicted peak, rank 0 (MiB) | measured peak per rank (MiB) | error |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| model | strategy | ranks | predicted peak, rank 0 (MiB) | measured peak per rank (MiB) | error | "
+        "tensors alive per rank (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    layouts = [(s, d, ["--strategy", s]) for s in ("ddp", "fsdp") for d in (1, 2)]
+    layouts += [("fsdp", 4, ["--strategy", "fsdp"]), ("tp 2 x fsdp 2", 4, ["--tp", "2"]), ("hsdp 2 x 2", 4, ["--hsdp", "2"])]
     with tempfile.TemporaryDirectory() as folder:
-        for strategy in ("ddp", "fsdp"):
-            for devices in (1, 2):
-                args = [GPT, "--strategy", strategy, "--eval-windows", "32", "--out-dir", folder]
-                predicted, _ = plan("--devices", str(devices), *args)
-                measured = measure(devices, *args)
-                error = (predicted["peak_bytes"] - measured[0]) / measured[0]
-                print(
-                    f"| GPT 0.84M, bf16-mixed | {strategy} | {devices} | {mib(predicted['peak_bytes'])} | "
-                    f"{', '.join(mib(m) for m in measured)} | {error:+.1%} |"
-                )
+        for name, devices, layout in layouts:
+            args = [GPT, *layout, "--eval-windows", "32", "--out-dir", folder]
+            predicted, _ = plan("--devices", str(devices), *args)
+            measured, alive = measure(devices, *args)
+            error = (predicted["peak_bytes"] - measured[0]) / measured[0]
+            print(
+                f"| GPT 0.84M, bf16-mixed | {name} | {devices} | {mib(predicted['peak_bytes'])} | "
+                f"{', '.join(mib(m) for m in measured)} | {error:+.1%} | {', '.join(mib(m) for m in alive)} |"
+            )
     if options.skip_scale:
         return
     print()
     print("| plan | ranks | time (s) | peak, rank 0 (GiB) | setup peak (GiB) |")
     print("|---|---|---|---|---|")
-    for name, extra in (("empty init", ["--empty-init"]), ("built whole on every rank", [])):
+    fsdp = ["--strategy", "fsdp"]  # HSDP and TP bring their own strategy objects
+    for name, settings, extra in (
+        ("FSDP2, empty init", fsdp, ["--empty-init"]),
+        ("FSDP2, built whole on every rank", fsdp, []),
+        ("HSDP 128 x 8, empty init", [], ["--empty-init", "--hsdp"]),
+        ("TP 8 x FSDP2 128, empty init", [], ["--empty-init", "--tp"]),
+    ):
         script = [str(ROOT / "benchmarks" / "plan_llama_shape.py"), *extra]
-        result, seconds = plan("--devices", "8", "--num-nodes", "128", "--strategy", "fsdp", *script)
+        result, seconds = plan("--devices", "8", "--num-nodes", "128", *settings, *script)
         print(
-            f"| Llama-3-8B-shaped GPT (6.97B), FSDP2, {name} | 1,024 | {seconds:.0f} (plan {result['seconds']:.0f}) | "
+            f"| Llama-3-8B-shaped GPT (6.97B), {name} | 1,024 | {seconds:.0f} (plan {result['seconds']:.0f}) | "
             f"{result['peak_bytes'] / 2**30:.1f} | {result['setup_peak_bytes'] / 2**30:.1f} |"
         )
 

@@ -107,3 +107,31 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_leaves
 
     return [leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor)]
+
+
+def group_size_of(op: Any, args: tuple) -> int:
+    """The size of the process group a collective ``op`` runs on, from its arguments: a ``c10d`` op names the
+    group object, a ``_c10d_functional`` one its registered name (and sometimes its size). Usage: in a dispatch mode,
+    ``group_size_of(func, args)``; 0 where none is found."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):  # the group, boxed as the dispatcher passes it
+            try:
+                return dist.ProcessGroup.unbox(arg).size()
+            except RuntimeError:  # another boxed class (a ReduceOp)
+                continue
+    schema = op._schema
+    for argument, value in zip(schema.arguments, args):
+        if argument.name == "group_size" and isinstance(value, int):
+            return value
+        if argument.name == "group_name" and isinstance(value, str):
+            return _resolve_process_group(value).size()
+    return 0
+
+
+def op_name(op: Any) -> str:
+    """An op's name without its namespace and overload: ``torch.ops.c10d.allreduce_.default`` -> ``"allreduce_"``.
+    Usage: in a dispatch mode, ``op_name(func)``."""
+    return op._opname

@@ -11,6 +11,7 @@ Usage:
     python examples/gpt/train.py --devices 2 --strategy ddp     # two processes (CPU: gloo, CUDA: nccl)
     fabriclite run --devices 2 examples/gpt/train.py            # the same, started by the launcher
     python examples/gpt/train.py --devices 4 --tp 2             # tensor parallel 2 x FSDP2 2 (parallel.py)
+    python examples/gpt/train.py --devices 4 --hsdp 2           # hybrid: FSDP2 within pairs, 2 replicas
     python examples/gpt/train.py --resume                       # continue from runs/gpt/last.ckpt
     python examples/gpt/train.py --text my_book.txt --out-dir runs/book
 """
@@ -37,7 +38,7 @@ from fabriclite import Fabric, seed_everything  # noqa: E402
 from fabriclite.kernels import kernels_available  # noqa: E402
 from fabriclite.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 from fabriclite.utilities.throughput import ThroughputMonitor, measure_flops  # noqa: E402
-from fabriclite.strategies import ModelParallelStrategy  # noqa: E402
+from fabriclite.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from parallel import parallelize  # noqa: E402
 
@@ -110,6 +111,12 @@ def parse_args() -> argparse.Namespace:
         "--tp", type=at_least(1), default=1, help="tensor-parallel size: N ranks split each block, FSDP2 over the rest"
     )
     parser.add_argument(
+        "--hsdp",
+        type=at_least(1),
+        default=1,
+        help="hybrid sharding (HSDP): FSDP2 within groups of N ranks, the groups replicas of each other",
+    )
+    parser.add_argument(
         "--precision",
         default=None,
         help="e.g. bf16-mixed, 32-true, 16-mixed, bf16-true; default: what a launcher (`fabriclite run --precision`) "
@@ -157,13 +164,18 @@ def parse_args() -> argparse.Namespace:
     if args.fused_loss and not args.kernels:
         parser.error("--fused-loss is one of the kernels: give it with --kernels.")
     args.precision = args.precision or os.environ.get("FABRICLITE_CLI_PRECISION", "bf16-mixed")  # a launcher's
-    if args.tp > 1 and args.devices == "auto":  # tensor parallel needs the number: a launcher's, else 1
+    if (args.tp > 1 or args.hsdp > 1) and args.devices == "auto":  # they need the number: a launcher's, else 1
         args.devices = int(os.environ.get("WORLD_SIZE", "1"))
     n_head = (QUICK_MODEL if args.quick else GPTConfig()).n_head
     if args.tp > 1 and (args.strategy != "auto" or args.devices % args.tp or n_head % args.tp):
         parser.error(
             f"--tp {args.tp} needs --strategy auto (it brings its own), --devices a multiple of it (got {args.devices}) "
             f"and the model's {n_head} heads divisible by it."
+        )
+    if args.hsdp > 1 and (args.strategy != "auto" or args.tp > 1 or args.devices % args.hsdp):
+        parser.error(
+            f"--hsdp {args.hsdp} needs --strategy auto (it brings its own), no --tp, and --devices a multiple of it "
+            f"(got {args.devices})."
         )
     return args
 
@@ -219,11 +231,14 @@ def main() -> None:
         tensorboard_note = ""
     except ModuleNotFoundError:
         tensorboard_note = "tensorboard is not installed: logging to CSV only (pip install tensorboard)"
+    strategy = args.strategy
+    if args.tp > 1:
+        strategy = ModelParallelStrategy(parallelize, args.devices // args.tp, args.tp)
+    elif args.hsdp > 1:  # a (replicate, shard) mesh: shards within a group, the same shards in every group
+        strategy = FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(args.devices // args.hsdp, args.hsdp))
     fabric = Fabric(
         accelerator=args.accelerator,
-        strategy=args.strategy
-        if args.tp == 1
-        else ModelParallelStrategy(parallelize, args.devices // args.tp, args.tp),
+        strategy=strategy,
         devices=args.devices,
         precision=args.precision,
         loggers=loggers,

@@ -27,6 +27,7 @@ from typing import Any
 from fabriclite._versions_fake import is_fake_limit
 from fabriclite.plan.memory import MemoryTracker
 from fabriclite.plan.report import Plan, describe, format_bytes
+from fabriclite.plan.traffic import CollectiveCounter, checkpoint_bytes
 from fabriclite.plan.world import FakeWorld, PlanStop
 
 __all__ = ["Plan", "parse_bytes", "plan_script", "format_bytes"]
@@ -76,9 +77,9 @@ def plan_script(
     world_size = devices * num_nodes
     variables = {"FABRICLITE_CLI_DEVICES": str(devices), "FABRICLITE_CLI_NUM_NODES": str(num_nodes), **(settings or {})}
     plan = Plan(script, world_size, devices, num_nodes, device_memory=memory)
-    tracker = MemoryTracker()
+    tracker, counter = MemoryTracker(), CollectiveCounter()
     start = time.perf_counter()
-    world = FakeWorld(world_size, steps=steps, settings=variables, trackers=(tracker,))
+    world = FakeWorld(world_size, steps=steps, settings=variables, trackers=(tracker, counter))
     with world, _script_context(script, args), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")  # each warning once per place, as a run shows them
         try:
@@ -99,6 +100,10 @@ def plan_script(
         if plan.steps:
             plan.memory = tracker.peak_by_kind()
             plan.peak_bytes = tracker.step_peak
+        if plan.steps == steps:  # the last step traced whole: the steady state
+            plan.collectives = counter.by_collective(step=steps - 1)
+            strategy = next((o._strategy for o in world.observed.optimizers if o._strategy is not None), None)
+            plan.checkpoint = checkpoint_bytes(world.observed.modules, world.observed.optimizers, strategy, world_size)
         plan.setup_peak_bytes = tracker.setup_peak
     plan.seconds = time.perf_counter() - start
     return plan

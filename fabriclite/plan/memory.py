@@ -24,7 +24,7 @@ import weakref
 from typing import Any
 
 import torch
-from fabriclite._versions_fake import is_fake, storages, tensors_in, torch_dispatch_mode
+from fabriclite._versions_fake import storages, tensors_in, torch_dispatch_mode
 
 KINDS = (
     "parameters",
@@ -85,14 +85,14 @@ class MemoryTracker(torch_dispatch_mode()):
             key = id(storage)
             record = self.alive.get(key)
             if record is None:
-                record = self._add(storage, key, counted, is_fake(tensor))
+                record = self._add(storage, key, counted)
             records.append(record)
         return records
 
-    def _add(self, storage: Any, key: int, counted: bool, fake: bool) -> _Storage:
+    def _add(self, storage: Any, key: int, counted: bool) -> _Storage:
         nbytes = storage.nbytes() if counted else 0
-        # Real tensors in a plan are the host's bookkeeping (a loader's sample order, pickled objects): "other".
-        record = _Storage(nbytes, "activations and temporaries" if self.stepping and fake else "other")
+        # Made while the steps run: an activation or a temporary, real or fake (the batch a real data set gives).
+        record = _Storage(nbytes, "activations and temporaries" if self.stepping else "other")
         self.alive[key] = record
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
         self.bytes += record.nbytes

@@ -18,11 +18,13 @@ from fabriclite.plan.memory import KINDS
 
 # Figures the issue asks for that no plan computes yet, and why: printed as such, never as numbers.
 NOT_ESTIMATED = (
-    ("bytes each collective sends per step", "not counted yet"),
-    ("checkpoint size on disk and per rank", "not computed yet"),
     ("the largest micro-batch that fits --device-memory", "not searched yet: plan again with another batch size"),
     ("other kinds of rank (tensor-parallel positions, the last rank of an uneven split)", "only rank 0 is planned"),
     ("torch.compile, Fabric(kernels=True)", "planned as eager torch ops: compiled kernels may keep less"),
+    (
+        "collectives DTensor runs inside an op (partial norms while clipping, redistributing an op's input)",
+        "torch runs them below the dispatch modes the plan counts with: their bytes and buffers are not counted",
+    ),
     (
         "a GPU's attention kernels",
         "activations are those of this machine's kernels (on a CPU, attention's math path); flash attention on "
@@ -59,6 +61,8 @@ class Plan:
     limit: str | None = None  # what fake tensors could not do, where: the plan stopped there (no error of the run)
     exit_code: int | None = None  # the script called sys.exit(code) before the plan's end
     reads: list[Any] = field(default_factory=list)
+    collectives: list[dict[str, Any]] | None = None  # traffic.CollectiveCounter.by_collective of the last step
+    checkpoint: dict[str, Any] | None = None  # traffic.checkpoint_bytes: {"sharded", "total", "rank0"}
     warnings: list[str] = field(default_factory=list)  # "UserWarning: message", each once, as the run shows them
     seconds: float = 0.0
 
@@ -86,6 +90,8 @@ class Plan:
             "error_at_setup": self.error_at_setup,
             "limit": self.limit,
             "exit_code": self.exit_code,
+            "collectives": self.collectives,
+            "checkpoint": self.checkpoint,
             "values_read": [read.where for read in self.reads],
             "warnings": self.warnings,
             "not_estimated": dict(NOT_ESTIMATED),
@@ -119,6 +125,7 @@ class Plan:
             lines += [f"  {name:<{width}}  {value}" for name, value in self.configuration]
             lines.append("")
         lines += self._memory_lines()
+        lines += self._traffic_lines()
         if self.warnings:
             lines.append("warnings the run shows")
             lines += [f"  {_shorten(text)}" for text in self.warnings]
@@ -148,6 +155,30 @@ class Plan:
             verdict = f"fits, {format_bytes(left)} to spare" if left >= 0 else f"does NOT fit: {format_bytes(-left)} over"
             lines.append(f"  device memory {format_bytes(self.device_memory)}: {verdict}")
         lines.append("")
+        return lines
+
+    def _traffic_lines(self) -> list[str]:
+        if self.collectives is None or self.checkpoint is None:
+            return [
+                "collectives per step, checkpoint size: not estimated (the plan did not trace its last step whole)",
+                "",
+            ]
+        lines = [f"collectives of rank 0 in step {self.steps} (bytes handed in; sent: on the wire over a ring)"]
+        if not self.collectives:
+            lines.append("  none")
+        for row in self.collectives:
+            sent = "not estimated (no ring model)" if row["bytes_sent"] is None else format_bytes(row["bytes_sent"])
+            lines.append(
+                f"  {row['collective']:<15} group of {row['group']:<6} {row['calls']:>5} calls "
+                f"{format_bytes(row['bytes_in']):>12} in, {sent} sent"
+            )
+        kind = "sharded: every rank writes its shards" if self.checkpoint["sharded"] else "full: rank 0 writes it"
+        lines += [
+            "",
+            f"checkpoint of the models and optimizers ({kind}): {format_bytes(self.checkpoint['total'])} of tensors "
+            f"in all, {format_bytes(self.checkpoint['rank0'])} written by rank 0",
+            "",
+        ]
         return lines
 
 

@@ -33,6 +33,8 @@ from fabriclite._versions_fake import (
     fake_process_group,
     fake_tensor_mode,
     is_fake,
+    real_tensors,
+    tensors_in,
     torch_dispatch_mode,
     unknown_value,
 )
@@ -121,6 +123,22 @@ class ValueReads(torch_dispatch_mode()):
         return value
 
 
+class RealStaysReal(torch_dispatch_mode()):
+    """An op whose tensor inputs are all real computes for real: what the plan keeps real (a device mesh's rank
+    numbers, pickled objects, a loader's sample order) stays real through what torch computes from it. FSDP2 and
+    DTensor build meshes of meshes inside ``fully_shard`` (tensor parallel x FSDP), finding this rank in them with
+    ``nonzero``, which fake tensors cannot answer. Ops that make tensors from nothing (the model's weights) and ops
+    on any fake tensor stay fake."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = tensors_in((args, kwargs))
+        if inputs and not any(is_fake(t) or type(t) is not torch.Tensor for t in inputs):
+            with real_tensors():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 @contextmanager
 def _environment(variables: dict[str, str]) -> Iterator[None]:
     saved = dict(os.environ)
@@ -198,6 +216,7 @@ class FakeWorld:
         stack.enter_context(register_optimizer_step_pre_hook(self._on_step_start))
         stack.enter_context(register_optimizer_step_post_hook(self._on_step_end))
         stack.enter_context(fake_tensor_mode())
+        stack.enter_context(RealStaysReal())
         for tracker in self.trackers:
             stack.enter_context(tracker)
         stack.enter_context(self.value_reads)

@@ -181,6 +181,7 @@ def test_bad_arguments_stop_before_training_with_a_message_naming_them(tmp_path)
         (["--text", str(tmp_path / "missing.txt")], f"--text {tmp_path / 'missing.txt'}: no such file"),
         (["--resume", "--out-dir", str(tmp_path)], f"--resume: no checkpoint at {tmp_path / 'last.ckpt'}"),
         (["--tp", "2", "--devices", "3"], "--tp 2 needs --strategy auto (it brings its own), --devices a multiple"),
+        (["--hsdp", "2", "--devices", "3"], "--hsdp 2 needs --strategy auto (it brings its own), no --tp, and"),
         (["--devices", "two"], "argument --devices: expected auto or a whole number >= 1, got 'two'"),
         (["--fused-loss"], "--fused-loss is one of the kernels: give it with --kernels."),
     ]

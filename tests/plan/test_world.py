@@ -49,3 +49,15 @@ def test_the_script_stops_after_the_planned_optimizer_steps():
         with pytest.raises(PlanStop):
             optimizer.step()
     assert world.observed.steps == 2
+
+
+def test_ops_on_real_tensors_stay_real_and_ops_making_or_touching_fake_ones_are_fake():
+    from fabriclite._versions_fake import real_tensors
+
+    with FakeWorld(world_size=8):
+        with real_tensors():
+            ranks = torch.arange(8).view(2, 4)  # a device mesh's rank numbers
+        coordinates = (ranks == 5).nonzero()  # what FSDP2 asks of a mesh it builds: fake tensors cannot answer
+        assert not is_fake(coordinates) and coordinates.tolist() == [[1, 1]]
+        weights = torch.zeros(4)
+        assert is_fake(weights) and is_fake(ranks[0] + weights)
