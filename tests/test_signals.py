@@ -2,7 +2,7 @@
 awkward moment (during setup, before the Fabric exists, during a long save, to a whole SLURM job step) ends with
 exit code 75 and a complete checkpoint or the previous one intact, never with a kill; a second notice waits for the
 save under way; the same notice twice counts once. A Ctrl-C (SIGINT to the process group, as a terminal sends it)
-lets the user's `except KeyboardInterrupt:` run to its end, however long it stays at one line.
+lets the user's `except KeyboardInterrupt:` run to its end, however long it stays at one line; a second one ends it.
 SLURM cannot run here: its job step is simulated by signalling the process group."""
 
 import os
@@ -246,3 +246,19 @@ def test_a_ctrl_c_handler_that_saves_longer_than_the_interrupt_grace_at_one_line
     ranks = [int(pid) for pid in re.findall(r"PID \d (\d+)", output)]
     assert len(ranks) == int(devices) and still_running(ranks, within=30) == []
 
+
+def test_a_second_ctrl_c_ends_a_cleanup_blocked_where_python_cannot_raise_it(tmp_path):
+    # Rank 0 sleeps in its slow storage (Python raises the second KeyboardInterrupt there); rank 1 waits for it in
+    # the save's collective, where only the watching thread can end it.
+    def twice(child):
+        os.killpg(child.pid, signal.SIGINT)
+        read_until(child, re.compile(r"SAVING \d[\s\S]*SAVING \d"), timeout=60)
+        time.sleep(3)  # later than the same SIGINT come twice (SAME_NOTICE_S)
+        os.killpg(child.pid, signal.SIGINT)
+
+    code, output = run_and_signal([LAST_SAVE, str(tmp_path), "2"], ready(2), twice)
+    assert code in (-signal.SIGINT, 128 + signal.SIGINT), output[-3000:]
+    assert "SAVED" not in output and not (tmp_path / "last.ckpt").exists(), output[-3000:]
+    assert "SIGINT received again, and this process stayed blocked for 1 s in Fabric.save" in output, output[-3000:]
+    ranks = [int(pid) for pid in re.findall(r"PID \d (\d+)", output)]
+    assert len(ranks) == 2 and still_running(ranks, within=30) == []
