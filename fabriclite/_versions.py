@@ -317,6 +317,15 @@ def _offered_vec_isas() -> list[str]:
     return [str(isa) for isa in supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
 
 
+def cpu_bf16_instructions() -> bool | None:
+    """Whether torch's CPUID probe finds AVX-512 BF16 or AMX (whose CPUs all have AMX-BF16) on this x86 CPU; None off
+    x86 and on a torch without these private probes. Usage: ``cpu_bf16_instructions()`` -> False on AVX2 only."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes) if all(map(callable, probes)) else None
+
+
 def dynamo_supported() -> bool:
     """Whether ``torch.compile``'s frame evaluation (dynamo) runs on this Python and platform.
 
