@@ -52,7 +52,7 @@ _READ = "fabriclite/watchdog/skipped-read"  # how many ranks have read it
 _SAMPLE_S = 1.0
 _REPEAT_S = 300.0  # while a wait lasts, the report comes again every five minutes
 _STORE_TIMEOUT_S = 5.0  # one store call, at most
-_STORE_FAILURES = 3  # store calls failing in a row that end the watchdog
+_STORE_GIVE_UP_S = 30.0  # how long the store may fail (or not be reached) before the watchdog ends
 _MAX_LISTED = 8  # ranks listed by name in one report; the rest are counted
 
 # The call the user's code made into fabriclite or torch is "the operation" a rank is in.
@@ -151,9 +151,9 @@ class StallWatchdog:
         self._store: Any = None
 
     def start(self) -> bool:
-        """Connect to the store and start the thread; False (and nothing runs) when the store cannot be reached."""
-        self._store = _connect_store()
-        if self._store is None:
+        """Start the thread, which connects to the job's store first; False (and nothing runs) without one
+        (no ``MASTER_ADDR`` and ``MASTER_PORT``)."""
+        if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
             return False
         self._places = Places()
         self._thread = threading.Thread(target=self._run, name="fabriclite-stall-watchdog", daemon=True)
@@ -178,7 +178,13 @@ class StallWatchdog:
         held: FrameType | None = None  # holding the frame keeps its identity: a new call is a new frame object
         since = time.time()
         last_publish = last_report = last_check = 0.0
-        failures = 0  # store calls that failed in a row
+        failing_since = None  # when the store calls began to fail, while they do
+        # On a loaded machine connecting may time out too: tried again, as a failed call is.
+        while self._store is None:
+            self._store = _connect_store()
+            failing_since = failing_since or time.monotonic()
+            if self._store is None and (time.monotonic() - failing_since > _STORE_GIVE_UP_S or self._stop.wait(1)):
+                return
         try:
             while not self._stop.wait(_SAMPLE_S):
                 frame = sys._current_frames().get(self.thread_id)
@@ -217,12 +223,12 @@ class StallWatchdog:
                     if operation is not None and waited >= self.stall_timeout and now - last_report >= _REPEAT_S:
                         if self._report(state, waited, now):
                             last_report = now
-                    failures = 0
+                    failing_since = None
                 except Exception:
-                    # One slow store call on a loaded machine is no reason to stop watching; several in a row mean the
-                    # store went away with rank 0: the run is ending, and the dead-rank path says why.
-                    failures += 1
-                    if failures >= _STORE_FAILURES:
+                    # A slow store call on a loaded machine is no reason to stop watching; failing for long means
+                    # the store went away with rank 0: the run is ending, and the dead-rank path says why.
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > _STORE_GIVE_UP_S:
                         return
         except Exception:  # anything else: watching is a courtesy, never a reason to disturb the run
             pass
