@@ -63,7 +63,11 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     layouts = [(s, d, ["--strategy", s]) for s in ("ddp", "fsdp") for d in (1, 2)]
-    layouts += [("fsdp", 4, ["--strategy", "fsdp"]), ("tp 2 x fsdp 2", 4, ["--tp", "2"]), ("hsdp 2 x 2", 4, ["--hsdp", "2"])]
+    layouts += [
+        ("fsdp", 4, ["--strategy", "fsdp"]),
+        ("tp 2 x fsdp 2", 4, ["--tp", "2"]),
+        ("hsdp 2 x 2", 4, ["--hsdp", "2"]),
+    ]
     with tempfile.TemporaryDirectory() as folder:
         for name, devices, layout in layouts:
             args = [GPT, *layout, "--eval-windows", "32", "--out-dir", folder]

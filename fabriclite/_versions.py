@@ -317,6 +317,15 @@ def _offered_vec_isas() -> list[str]:
     return [str(isa) for isa in supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
 
 
+def cpu_bf16_instructions() -> bool | None:
+    """Whether torch's CPUID probe finds AVX-512 BF16 or AMX (whose CPUs all have AMX-BF16) on this x86 CPU; None off
+    x86 and on a torch without these private probes. Usage: ``cpu_bf16_instructions()`` -> False on AVX2 only."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if platform.machine().lower() not in ("x86_64", "amd64") or not all(map(callable, probes)):
+        return None
+    return any(probe() for probe in probes)
+
+
 def dynamo_supported() -> bool:
     """Whether ``torch.compile``'s frame evaluation (dynamo) runs on this Python and platform.
 
@@ -407,11 +416,15 @@ def dcp_metadata_path(reader: Any, rank: int | None) -> Path:
 # ---------------------------------------------------------------------- process groups
 def process_groups() -> dict[Any, Any]:
     """The process groups of this process that are alive (the default one included), keyed by group; torch keeps
-    this table privately. Usage: ``if group in process_groups(): dist.destroy_process_group(group)``.
-    """
+    this table privately. Usage: ``if group in process_groups(): dist.destroy_process_group(group)``."""
     import torch.distributed.distributed_c10d as c10d
 
     return c10d._pg_map
+
+
+def collective_count(group: Any) -> int:
+    """The collectives this process issued on ``group``, by torch's private count. Usage: ``collective_count(g)``."""
+    return group._get_sequence_number_for_group()
 
 
 # ---------------------------------------------------------------------- optional packages

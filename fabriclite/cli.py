@@ -334,7 +334,9 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         num_nodes = settings.pop("num_nodes", 1)
         memory = None if args.device_memory is None else parse_bytes(args.device_memory)
         if args.script is None:
-            raise ValueError("no script to plan: name it after the options, e.g. `fabriclite plan --devices 8 train.py`.")
+            raise ValueError(
+                "no script to plan: name it after the options, e.g. `fabriclite plan --devices 8 train.py`."
+            )
         if not Path(args.script).is_file():
             raise ValueError(f"script {args.script!r} does not exist (relative paths start at {os.getcwd()}).")
     except ValueError as error:

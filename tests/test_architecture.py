@@ -45,7 +45,8 @@ def test_imports_inside_functions_and_relative_imports_count(tmp_path, monkeypat
 
 def test_no_import_runs_up_the_layer_table_and_every_module_has_a_row():
     table = import_graph.layers(import_graph.ARCHITECTURE.read_text())
-    assert ["_versions.py", "_versions_fake.py"] == table[0] and "strategies/" in table[-4]  # the table was read: lowest first
+    # The table was read: lowest first.
+    assert ["_versions.py", "_versions_fake.py"] == table[0] and "strategies/" in table[-4]
     assert import_graph.upward_imports(import_graph.graph(), table) == []
 
 

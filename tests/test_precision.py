@@ -134,6 +134,40 @@ def test_16_mixed_on_cpu_warns_in_lightnings_words_and_becomes_bf16_mixed():
     assert plugin.name == "16-mixed" and plugin.scaler is not None  # a plugin is taken as given, as in Lightning
 
 
+def emulation_warnings(monkeypatch, native, **fabric_args):
+    """The warnings about emulated bf16 that ``Fabric(accelerator="cpu", **fabric_args)`` gives, the CPU probe
+    answering ``native`` (this machine has AVX-512 BF16: the other answer stands for an AVX2-only CPU)."""
+    monkeypatch.setattr("fabriclite.accelerators.cpu_has_native_bf16", lambda: native)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Fabric(accelerator="cpu", **fabric_args)
+    return [str(w.message) for w in caught if "emulated" in str(w.message)]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-mixed"])
+def test_bf16_on_a_cpu_without_native_bf16_warns_once_with_the_cost_and_what_to_use(monkeypatch, precision):
+    said = emulation_warnings(monkeypatch, False, precision=precision)
+    name = "bf16-true" if precision == "bf16-true" else "bf16-mixed"  # "16-mixed" becomes bf16-mixed on a CPU
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert said[0].startswith(f"precision={name!r} is emulated on this CPU, which has no native bfloat16"), said
+    assert "43 s against 13.6 s" in said[0] and "Pass precision='32-true'" in said[0]
+
+
+@pytest.mark.parametrize("native, precision", [(True, "bf16-mixed"), (True, "bf16-true"), (False, "32-true")])
+def test_a_cpu_with_native_bf16_or_fp32_gets_no_word_about_emulation(monkeypatch, native, precision):
+    assert emulation_warnings(monkeypatch, native, precision=precision) == []
+
+
+def test_the_cpu_probe_agrees_with_the_flags_linux_reports():
+    # torch's CPUID probe (where this torch has it) and the kernel's /proc/cpuinfo are two views of one CPU.
+    from fabriclite import accelerators
+
+    flags = accelerators._cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo here")
+    assert accelerators.cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 # Run under either implementation, in a process of its own (importing Lightning patches torch.compile).
 _MIXED_PRECISION_ON_CPU = """
 import json, sys, warnings

@@ -1,8 +1,9 @@
 """The signal policy (fabriclite/processes/signals.py), with real processes and real signals: a preemption notice at an
 awkward moment (during setup, before the Fabric exists, during a long save, to a whole SLURM job step) ends with
 exit code 75 and a complete checkpoint or the previous one intact, never with a kill; a second notice waits for the
-save under way; the same notice twice counts once. SLURM cannot run here: its job step is simulated by signalling
-the process group."""
+save under way; the same notice twice counts once. A Ctrl-C (SIGINT to the process group, as a terminal sends it)
+lets the user's `except KeyboardInterrupt:` run to its end, however long it stays at one line; a second one ends it.
+SLURM cannot run here: its job step is simulated by signalling the process group."""
 
 import os
 import re
@@ -29,6 +30,7 @@ from fabriclite import Fabric
 from fabriclite.processes.signals import PREEMPTED_EXIT_CODE
 
 NOTICES = str(SCRIPTS / "notices.py")
+LAST_SAVE = str(SCRIPTS / "last_save.py")
 
 
 def start(*args):
@@ -223,3 +225,40 @@ print(Fabric(accelerator="cpu", devices=2, strategy="ddp_fork").launch(work))
 def test_a_rank_forked_by_ddp_fork_takes_notices_of_its_own():
     result = run_python("-c", FORKED_RANKS, timeout=180)
     assert "preempted" in result.stdout and "never" not in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+def ready(devices):
+    """The line (a pattern) after which every rank of last_save.py waits for the Ctrl-C."""
+    return re.compile(r"(READY \d[\s\S]*){%d}" % devices)
+
+
+@pytest.mark.parametrize("devices", ["1", "2"])
+def test_a_ctrl_c_handler_that_saves_longer_than_the_interrupt_grace_at_one_line_runs_to_its_end(tmp_path, devices):
+    # Before: exit 130 after 10 s, "stayed blocked for 10 s in ... time.sleep(SLOW_S)", and no checkpoint; with two
+    # processes, rank 1 took the terminal's SIGINT and rank 0's copy of it as two, and died in its handler.
+    code, output = run_and_signal(
+        [LAST_SAVE, str(tmp_path), devices], ready(int(devices)), lambda c: os.killpg(c.pid, signal.SIGINT)
+    )
+    assert code == 0, output[-3000:]
+    assert "stayed blocked" not in output, output[-3000:]
+    assert all(f"SAVED {rank} 2" in output for rank in range(int(devices))), output[-3000:]  # ranks share a pipe
+    assert Fabric(accelerator="cpu", devices=1).load(tmp_path / "last.ckpt")["step"] == 2
+    ranks = [int(pid) for pid in re.findall(r"PID \d (\d+)", output)]
+    assert len(ranks) == int(devices) and still_running(ranks, within=30) == []
+
+
+def test_a_second_ctrl_c_ends_a_cleanup_blocked_where_python_cannot_raise_it(tmp_path):
+    # Rank 0 sleeps in its slow storage (Python raises the second KeyboardInterrupt there); rank 1 waits for it in
+    # the save's collective, where only the watching thread can end it.
+    def twice(child):
+        os.killpg(child.pid, signal.SIGINT)
+        read_until(child, re.compile(r"SAVING \d[\s\S]*SAVING \d"), timeout=60)
+        time.sleep(3)  # later than the same SIGINT come twice (SAME_NOTICE_S)
+        os.killpg(child.pid, signal.SIGINT)
+
+    code, output = run_and_signal([LAST_SAVE, str(tmp_path), "2"], ready(2), twice)
+    assert code in (-signal.SIGINT, 128 + signal.SIGINT), output[-3000:]
+    assert "SAVED" not in output and not (tmp_path / "last.ckpt").exists(), output[-3000:]
+    assert "SIGINT received again, and this process stayed blocked for 1 s in Fabric.save" in output, output[-3000:]
+    ranks = [int(pid) for pid in re.findall(r"PID \d (\d+)", output)]
+    assert len(ranks) == 2 and still_running(ranks, within=30) == []

@@ -4,7 +4,6 @@ and the ready mark, then the process was killed, leaving the rest under the vers
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

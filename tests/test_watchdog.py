@@ -1,5 +1,6 @@
 """Stall detection: a rank waiting for one that hangs says so, naming the missing rank and where it is; a start
-that never completes names the launch variables. Real processes over gloo; every wait carries a timeout."""
+that never completes names the launch variables; a call every rank must make, made on some ranks only, ends the run
+naming the call and where the other ranks went. Real processes over gloo; every wait carries a timeout."""
 
 import json
 import re
@@ -14,8 +15,8 @@ import torch.distributed as dist
 
 from fabriclite.plugins.environments import free_port
 from fabriclite.strategies import DDPStrategy, FSDPStrategy
-from fabriclite.processes.watchdog import Places, StallWatchdog, describe, locate
-from helpers import SCRIPTS, read_until, sigkill, start_python
+from fabriclite.processes.watchdog import Places, StallWatchdog, describe, locate, skipped_call, skipped_message
+from helpers import SCRIPTS, read_until, run_python, sigkill, start_python
 
 
 def test_a_hung_rank_is_named_with_its_line_by_the_rank_waiting_for_it():
@@ -175,3 +176,72 @@ def test_a_thread_in_its_own_code_has_no_operation_and_its_caller_is_the_users_l
 def test_a_stall_timeout_that_is_not_a_positive_number_is_refused(strategy, value):
     with pytest.raises(ValueError, match=f"stall_timeout={value!r} must be a number of seconds > 0, or None"):
         strategy(stall_timeout=value)
+
+
+# ---------------------------------------------------------------------- a call made on some ranks only
+def counted(calls, groups, operation="Fabric.backward", caller="train.py:9 in main", **extra):
+    """A heartbeat with collective counts: ``calls`` on the calls group, ``groups`` (name -> count) in training."""
+    state = {"operation": operation, "caller": caller, "since": 0.0, "beat": 0.0}
+    return {**state, "calls": calls, "groups": groups, **extra}
+
+
+def test_a_rank_behind_on_the_calls_group_and_ahead_in_training_went_past_the_call():
+    saving = counted(7, {"0": 40}, "Fabric.save", "train.py:12 in main")
+    verdict = skipped_call({0: saving, 1: counted(6, {"0": 41}), 2: counted(7, {"0": 40})})
+    assert verdict is not None and verdict["call"] == "Fabric.save" and list(verdict["made"]) == [0, 2]
+    message = skipped_message(json.loads(json.dumps(verdict)))  # as the other ranks read it from the store
+    assert message.startswith("fabric.save() was called on ranks 0, 2 only (rank 0 at train.py:12 in main; rank 2")
+    assert "every rank must call it: rank 1 went on without it and is now in Fabric.backward, at train.py:9" in message
+
+
+def test_a_rank_behind_on_both_may_be_on_its_way_and_ranks_level_skipped_nothing():
+    assert skipped_call({0: counted(7, {"0": 40}, "Fabric.save"), 1: counted(6, {"0": 40})}) is None  # slow
+    assert skipped_call({0: counted(7, {"0": 40}, "Fabric.save"), 1: counted(7, {"0": 41})}) is None  # level
+    assert skipped_call({0: counted(7, {"0": 40}, "Fabric.save"), 1: counted(8, {"0": 41})}) is None  # ahead
+
+
+def test_a_rank_that_ended_before_the_call_skipped_it():
+    verdict = skipped_call({0: counted(7, {"0": 40}, "Fabric.barrier"), 1: counted(6, {"0": 40}, None, ended=True)})
+    assert "fabric.barrier() was called on rank 0 only" in skipped_message(verdict)
+    assert "rank 1 ended without calling it" in skipped_message(verdict)
+
+
+def test_only_groups_both_ranks_belong_to_and_heartbeats_with_counts_prove_anything():
+    # Tensor parallel: ranks 0 and 1 count different subgroups ("2", "3"); rank 2's heartbeat has no counts (it was
+    # read while the rank issued collectives, or by a fabriclite without them).
+    states = {0: counted(7, {"0": 40, "2": 9}, "Fabric.save"), 1: counted(6, {"0": 40, "3": 12}), 2: {"caller": "x"}}
+    assert skipped_call(states) is None
+
+
+def called_on_rank_0_only(tmp_path, *args):
+    result = run_python(str(SCRIPTS / "one_rank_calls.py"), str(tmp_path), *args, timeout=240, check=False)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "strategy, call",
+    [("ddp", "save"), ("fsdp", "save"), ("ddp", "barrier"), ("ddp", "all_reduce"), ("ddp", "load"), ("fsdp", "load")],
+)
+def test_a_call_every_rank_must_make_made_on_rank_0_only_ends_the_run_naming_it_and_where_rank_1_went(
+    tmp_path, strategy, call
+):
+    # Before: gloo's "op.preamble.length <= op.nbytes ... Received data size doesn't match expected size" (a rank
+    # aborted), or every rank waiting for the collective timeout (30 min).
+    code, output = called_on_rank_0_only(tmp_path, strategy, call)
+    assert code == 1, output[-3000:]
+    said = rf"fabric\.{call}\(\) was called on rank 0 only \(rank 0 at \S*one_rank_calls\.py:\d+"
+    assert re.search(said, output), output[-3000:]
+    went = r"rank 1 went on without it and is now in (Fabric\.backward|_FabricModule\.__call__), at \S*one_rank_calls"
+    assert re.search(went, output) and "outside any `if fabric.global_rank == ...:` branch" in output, output[-3000:]
+    assert "CALLED" not in output
+    for riddle in ("preamble", "Received data size", "Connection reset", "Connection closed", "Timed out"):
+        assert riddle not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("strategy, call", [("ddp", "save"), ("fsdp", "barrier")])
+def test_a_call_made_on_rank_0_only_after_rank_1_ended_says_so(tmp_path, strategy, call):
+    code, output = called_on_rank_0_only(tmp_path, strategy, call, "end")
+    assert code == 1, output[-3000:]
+    assert f"fabric.{call}() was called on rank 0 only" in output and "rank 1 ended without calling it" in output
+    for riddle in ("preamble", "Received data size", "Connection reset", "Connection closed", "Timed out"):
+        assert riddle not in output, output[-3000:]

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from fabriclite._versions import cpu_bf16_instructions
 
 
 class Accelerator:
@@ -97,6 +101,35 @@ def find_usable_cuda_devices(num_devices: int = -1) -> list[int]:
             f"devices {occupied} are held by other processes."
         )
     return usable
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this machine's CPU computes bfloat16 in hardware: AVX-512 BF16 or AMX on x86 (torch's CPUID probe,
+    else the flags in /proc/cpuinfo), the BF16 extension on Arm (/proc/cpuinfo). Without it torch emulates bf16 on
+    the CPU, and ``precision="bf16-mixed"`` trains several times slower than ``"32-true"`` there. False also where
+    neither source answers: fp32 is the choice that is never emulated. The one place fabriclite asks (the warning
+    of ``Fabric(precision="bf16-mixed")`` on a CPU, the demo's default precision).
+
+    Usage: ``precision = "bf16-mixed" if cpu_has_native_bf16() else "32-true"``.
+    """
+    found = cpu_bf16_instructions()
+    if found is not None:
+        return found
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _cpu_flags() -> set[str]:
+    # Linux lists them for each core: x86's "flags", Arm's "Features"; the first core's stand for all.
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
 
 
 def select_accelerator(name: str, devices: int | list[int] | str) -> Accelerator:

@@ -152,7 +152,9 @@ class Plan:
         if self.device_memory is not None:
             peak = max(self.peak_bytes, self.setup_peak_bytes)
             left = self.device_memory - peak
-            verdict = f"fits, {format_bytes(left)} to spare" if left >= 0 else f"does NOT fit: {format_bytes(-left)} over"
+            verdict = (
+                f"fits, {format_bytes(left)} to spare" if left >= 0 else f"does NOT fit: {format_bytes(-left)} over"
+            )
             lines.append(f"  device memory {format_bytes(self.device_memory)}: {verdict}")
         lines.append("")
         return lines
@@ -194,7 +196,9 @@ def describe(observed: Any) -> list[tuple[str, str]]:
     lines: list[tuple[str, str]] = []
     strategy = next((o._strategy for o in observed.optimizers if o._strategy is not None), None)
     if strategy is not None:
-        lines.append(("strategy", f"{type(strategy).__name__}, {strategy.world_size} processes on {strategy.root_device.type}"))
+        lines.append(
+            ("strategy", f"{type(strategy).__name__}, {strategy.world_size} processes on {strategy.root_device.type}")
+        )
         lines += _strategy_lines(strategy)
     for index, wrapped in enumerate(observed.modules):
         lines += _model_lines(wrapped, f"model {index}" if len(observed.modules) > 1 else "model")
@@ -211,18 +215,33 @@ def _strategy_lines(strategy: Any) -> list[tuple[str, str]]:
         lines.append(("device mesh", " x ".join(f"{name} {size}" for name, size in zip(names, mesh.shape))))
     if hasattr(strategy, "reshard_after_forward"):
         sharding = {"flat": "over every rank", "hybrid": "within a group, replicated across", "replicate": "none"}
-        lines.append(("sharding", f"{sharding.get(strategy.mesh_kind, strategy.mesh_kind)}; "
-                      f"reshard after forward: {strategy.reshard_after_forward}; cpu offload: {strategy.cpu_offload}"))
+        lines.append(
+            (
+                "sharding",
+                f"{sharding.get(strategy.mesh_kind, strategy.mesh_kind)}; "
+                f"reshard after forward: {strategy.reshard_after_forward}; cpu offload: {strategy.cpu_offload}",
+            )
+        )
     if hasattr(strategy, "ddp_kwargs"):
         kwargs = strategy.ddp_kwargs
-        lines.append(("DDP", f"gradient buckets of {kwargs.get('bucket_cap_mb', 25)} MiB; gradient_as_bucket_view="
-                      f"{kwargs.get('gradient_as_bucket_view', False)}; find_unused_parameters="
-                      f"{kwargs.get('find_unused_parameters', False)}"))
+        lines.append(
+            (
+                "DDP",
+                f"gradient buckets of {kwargs.get('bucket_cap_mb', 25)} MiB; gradient_as_bucket_view="
+                f"{kwargs.get('gradient_as_bucket_view', False)}; find_unused_parameters="
+                f"{kwargs.get('find_unused_parameters', False)}",
+            )
+        )
     precision = getattr(strategy, "precision", None)
     if precision is not None:
         compute = getattr(precision, "param_dtype", None) or getattr(precision, "dtype", None) or torch.float32
-        lines.append(("precision", f"{precision.name}: forward computes in {_dtype(compute)}"
-                      f"{'; loss scaler' if precision.scaler is not None else ''}"))
+        lines.append(
+            (
+                "precision",
+                f"{precision.name}: forward computes in {_dtype(compute)}"
+                f"{'; loss scaler' if precision.scaler is not None else ''}",
+            )
+        )
     return lines
 
 
@@ -233,15 +252,24 @@ def _model_lines(wrapped: Any, name: str) -> list[tuple[str, str]]:
     params = list(module.parameters())
     total = sum(p.numel() for p in params)
     local = sum(_local(p).numel() for p in params)
-    lines = [(name, f"{_user_class(module)}, {total:,} parameters; this rank holds {local:,} "
-              f"({_dtypes(_local(p) for p in params)})")]
+    lines = [
+        (
+            name,
+            f"{_user_class(module)}, {total:,} parameters; this rank holds {local:,} "
+            f"({_dtypes(_local(p) for p in params)})",
+        )
+    ]
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if units:
         kinds = Counter(_user_class(m) for m in units if m is not module)
         listed = ", ".join(f"{count} x {kind}" for kind, count in kinds.items())
         largest = max(_gathered(unit, units) for unit in units)
-        lines.append(("FSDP units", f"{len(units)}: {listed}{', ' if listed else ''}the root; the largest gathers "
-                      f"{largest:,} parameters"))
+        lines.append(
+            (
+                "FSDP units",
+                f"{len(units)}: {listed}{', ' if listed else ''}the root; the largest gathers {largest:,} parameters",
+            )
+        )
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if grads:
         lines.append((f"{name} gradients", _dtypes(grads)))

@@ -68,7 +68,7 @@ class Observed:
 
 
 def _user_frame(skip_prefixes: tuple[str, ...]) -> str:
-    """"file:line in function" of the innermost frame outside torch and fabriclite: where the script read."""
+    """ "file:line in function" of the innermost frame outside torch and fabriclite: where the script read."""
     for frame in reversed(traceback.extract_stack()):
         if not frame.filename.startswith(skip_prefixes):
             return f"{os.path.relpath(frame.filename)}:{frame.lineno} in {frame.name}"

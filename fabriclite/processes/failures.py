@@ -134,6 +134,7 @@ def how_it_ended(returncode: int) -> str:
 # The one failure hook of this process, and where it reads the progress: the newest Fabric's checkpointer, held
 # weakly (it holds the host copy of the state).
 _progress: list[Callable[[], Callable[[], int] | None]] = []
+_path: list[str] = []  # the file the supervisor asked for, once ``record`` has taken it
 
 
 def record(progress: Callable[[], int]) -> None:
@@ -146,13 +147,11 @@ def record(progress: Callable[[], int]) -> None:
         # Taken out of the environment: a process this one starts (a script of its own) must not write here.
         path = os.environ.pop(FAILURE_FILE_ENV, "")
         if path:
+            _path[:] = [path]
             previous = sys.excepthook
 
             def write_then_report(kind: type, error: BaseException, traceback: Any) -> None:
-                try:
-                    _write(path, kind, error, current_progress())
-                except Exception:  # the report of the failure must never hide the failure itself
-                    pass
+                record_now(error)
                 previous(kind, error, traceback)
 
             sys.excepthook = write_then_report
@@ -168,6 +167,17 @@ def current_progress() -> int:
     Usage: ``{"progress": current_progress()}`` in a failure's record."""
     progress = _progress[-1]() if _progress else None
     return progress() if progress is not None else 0
+
+
+def record_now(error: BaseException) -> None:
+    """Write ``error`` as what ends this process, where a supervisor asked (``record``): also for an end that no
+    exception carries, ``exit_now`` from a watching thread. Usage: ``record_now(RuntimeError(why)); exit_now(1)``."""
+    if not _path:
+        return
+    try:
+        _write(_path[0], type(error), error, current_progress())
+    except Exception:  # the report of the failure must never hide the failure itself
+        pass
 
 
 def _write(path: str, kind: type, error: BaseException, progress: int) -> None:

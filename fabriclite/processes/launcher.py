@@ -14,7 +14,8 @@ returns what this process's (or rank 0's) call returned.
 
 Signals: SIGINT, SIGTERM or SIGUSR1 to the process the user started reaches every rank (``signals.forward_to``), and
 each rank takes it by ``fabriclite.processes.signals``'s policy: an interrupt ends even a rank blocked in a collective within
-seconds, a preemption notice lets every rank save first.
+seconds, a preemption notice lets every rank save first. After an interrupt, a rank that ended by it (130) is no
+failure of the others: each rank runs its own ``except KeyboardInterrupt:`` to its end; a second Ctrl-C kills.
 """
 
 from __future__ import annotations
@@ -163,7 +164,9 @@ class SubprocessLauncher:
             failed_at = time.time()
             with self._deciding:
                 self._failing = True
-            if not issubclass(exc_info[0], KeyboardInterrupt):  # on Ctrl-C every rank stops at once: no news
+            if issubclass(exc_info[0], KeyboardInterrupt):  # every rank took the Ctrl-C: each ends by its own policy
+                _wait_or_kill(self.children)
+            else:
                 self._wait_for_a_child_to_fail(SIBLING_EXIT_GRACE_S)
             self.kill_children(failed_before=failed_at)
             previous_hook(*exc_info)
@@ -174,7 +177,7 @@ class SubprocessLauncher:
         while True:
             for child in self.children:
                 code = child.poll()
-                if code not in (None, *_ENDED):
+                if code is not None and not _ended_well(code):
                     with self._deciding:
                         if self._killing:
                             return  # this process is already stopping them (after its own error)
@@ -183,7 +186,7 @@ class SubprocessLauncher:
                             return  # the main thread's error handler stops the others and shows its own error
                     self.kill_children()
                     exit_now(_exit_code(code))
-            if all(child.poll() in _ENDED for child in self.children):
+            if all(child.poll() is not None and _ended_well(child.poll()) for child in self.children):
                 return
             time.sleep(0.2)
 
@@ -205,7 +208,7 @@ class SubprocessLauncher:
             if not self._killing:
                 for child in self.children:
                     code, failure = _returncode(child), self._failure(child)
-                    if code not in (None, *_ENDED):
+                    if code is not None and not _ended_well(code):
                         self._report(child, code, "stopping the other processes")
                     elif failure.error and failed_before is not None and (failure.at or 0.0) < failed_before:
                         self._report(child, None, "stopping the other processes")
@@ -235,8 +238,14 @@ class SubprocessLauncher:
         for child in self.children:
             code = child.wait()
             if code not in _ENDED and not self._killing:  # those this process stopped itself: its own error is the news
-                self._report(child, code, "this run failed")
+                if not _ended_well(code):
+                    self._report(child, code, "this run failed")
                 exit_now(_exit_code(code))
+
+
+def _ended_well(code: int) -> bool:
+    # After a Ctrl-C this process took too, a rank that the interrupt ended (130, or killed by SIGINT) did as asked.
+    return code in _ENDED or (signals.interrupted() and code in (128 + signal.SIGINT, -signal.SIGINT))
 
 
 def _returncode(child: subprocess.Popen) -> int | None:
@@ -306,8 +315,12 @@ class MultiprocessingLauncher:
                 pass
         except KeyboardInterrupt:
             # The processes would go on training after this one stopped waiting (they are not daemons): pass the
-            # interrupt on, and kill those still running once a blocked rank had time to give up.
-            _interrupt(processes.processes, signal.SIGINT, signals.INTERRUPT_GRACE_S + 5)
+            # interrupt on, and wait for each to end by its own policy (a rank blocked where Python cannot take it
+            # exits 130; one running the user's `except KeyboardInterrupt:` finishes it). A second Ctrl-C kills them.
+            for process in processes.processes:
+                if process.is_alive():
+                    os.kill(process.pid, signal.SIGINT)
+            _wait_or_kill(processes.processes)
             raise
         return results.get()  # join raised if any process failed, so rank 0 has put its result
 
@@ -324,15 +337,14 @@ def _check_forkable() -> None:
         )
 
 
-def _interrupt(processes: list[Any], signum: int, grace: float) -> None:
-    """Send ``signum`` to every live process of ``processes`` (multiprocessing ones), SIGKILL those alive after
-    ``grace`` seconds, and reap them all."""
-    for process in processes:
-        if process.is_alive():
-            os.kill(process.pid, signum)
-    deadline = time.monotonic() + grace
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
+def _wait_or_kill(processes: list[Any]) -> None:
+    """After a Ctrl-C: wait for ``processes`` (``subprocess.Popen`` or multiprocessing ones) to end, each by its
+    own policy, for as long as they take; a second Ctrl-C kills those still running."""
+    popen = [hasattr(process, "wait") for process in processes]
+    try:
+        for process, is_popen in zip(processes, popen):
+            process.wait() if is_popen else process.join()
+    except KeyboardInterrupt:
+        for process, is_popen in zip(processes, popen):
             process.kill()
-            process.join(5)
+            process.wait(timeout=10) if is_popen else process.join(10)

@@ -16,9 +16,15 @@ setup, compilation, ``load_latest`` or the first step, so that a notice at any o
 - A notice never becomes a kill otherwise, whatever the main thread is doing (a long save, a collective waiting for
   a rank that saves).
 - **SIGINT** stays Python's ``KeyboardInterrupt``. Python runs handlers only between bytecodes, so a main thread
-  blocked in native code (a collective waiting for a hung rank) never sees it: once the main thread has stayed at
-  the very same instruction for ``INTERRUPT_GRACE_S`` (counted again wherever it stops within ``INTERRUPT_WATCH_S``
-  of the SIGINT), the process exits with 130.
+  blocked in native code (a collective waiting for a hung rank) never sees it: while Python has not raised the
+  ``KeyboardInterrupt``, once the main thread has stayed at the very same instruction for ``INTERRUPT_GRACE_S``
+  (counted again wherever it stops within ``INTERRUPT_WATCH_S`` of the SIGINT), the process exits with 130. Once
+  Python has raised it (``_on_interrupt``, the SIGINT handler in place of Python's own, notes when), what the
+  user's ``except KeyboardInterrupt:`` does is the user's: a last save may block anywhere for as long as it takes.
+  The same SIGINT come twice within ``SAME_NOTICE_S`` (a terminal signals every process of its job, and a
+  launcher passes it on too) is raised once; a SIGINT after that is raised again, and ends the process after
+  ``INTERRUPT_AGAIN_S`` where Python cannot raise it. Under a SIGINT handler of the user's own, this process
+  cannot know when it ran: the 130 rule holds as for a main thread that never took the interrupt.
 - Every signal is passed on to the ranks this process started (``forward_to``) as it arrives.
 - A process forked from this one (a DataLoader worker) inherits handlers that ignore notices: its rank decides. One
   that takes a part in the run itself (a rank of ``ddp_fork``) installs a policy of its own.
@@ -27,7 +33,8 @@ The C-level handler writes each signal's number to the wakeup fd even while the 
 watching thread reads it. Where someone else owns the wakeup fd (asyncio, an IDE), the Python handler hands each
 notice to a thread of its own instead.
 
-Usage: ``install(rank)`` once per process; ``with saving(): ...`` around a save; ``noticed()`` for the notice.
+Usage: ``install(rank)`` once per process; ``with saving(): ...`` around a save; ``noticed()`` for the notice,
+``interrupted()`` for a Ctrl-C.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ SAME_NOTICE_S = 2.0
 GRACE_S = 300.0  # after a notice, how long a process may take to save and exit before it is ended
 INTERRUPT_GRACE_S = 10.0  # how long a main thread blocked in native code gets to take an interrupt itself
 INTERRUPT_WATCH_S = 60.0  # how long after a SIGINT a main thread that stops somewhere is still counted as blocked
+INTERRUPT_AGAIN_S = 1.0  # the same, for a SIGINT after Python raised one: the user asks to stop the cleanup
 
 
 class _Policy:
@@ -115,6 +123,8 @@ def install(rank: int = 0, environment: Any = None) -> None:
     _installed = True
     for signum in _notices:
         signal.signal(signum, _on_notice)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # never a handler of the user's, nor SIG_IGN
+        signal.signal(signal.SIGINT, _on_interrupt)
     _start_watching()
 
 
@@ -126,6 +136,8 @@ def uninstall() -> None:
         return
     for signum in _notices:
         signal.signal(signum, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is _on_interrupt:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if _watching and _wakeup_is_ours():
         signal.set_wakeup_fd(-1)
     _installed = _watching = False
@@ -195,7 +207,7 @@ def _event(signum: int) -> bool:
     name, rank = signal.Signals(signum).name, _policy.rank
     why = _policy.stop_reason() if signum == signal.SIGTERM and _policy.stop_reason and not _policy.notice else None
     if why:
-        _say(
+        say(
             f"fabriclite: rank {rank} received {name} after {why}: the launcher is stopping the group, which is no "
             f"preemption; exiting without a save (exit code {128 + signum})."
         )
@@ -204,17 +216,17 @@ def _event(signum: int) -> bool:
         return True
     action = _policy.on_notice(signum)
     if action == "note":
-        _say(
+        say(
             f"fabriclite: rank {rank} received {name}; fabric.preempted becomes True on every rank within two reads "
             f"(a second signal, {SAME_NOTICE_S:g} s or more later, ends the run with exit code {PREEMPTED_EXIT_CODE} "
             "once the save under way, if any, has finished)."
         )
     elif action == "leave":
-        _say(
+        say(
             f"fabriclite: rank {rank} received {name} again; exiting with code {PREEMPTED_EXIT_CODE} once no save is under way."
         )
     elif action == "hard":
-        _say(f"fabriclite: rank {rank} received {name} a third time; ending it at once (exit code {128 + signum}).")
+        say(f"fabriclite: rank {rank} received {name} a third time; ending it at once (exit code {128 + signum}).")
         _kill_children()
         exit_now(128 + signum)  # as a shell reports the signal's default action; this may not be the main thread
     return _policy.leaving
@@ -249,15 +261,12 @@ def _end_as_preempted() -> None:
     # Ranks with a fabriclite launcher above them are requeued by it; others (srun's tasks) by global rank 0 here, as
     # the end of a preempted script does (preemption._end), without its barrier: every rank is leaving anyway.
     if _policy.rank == 0 and os.environ.get("FABRICLITE_LAUNCHER") != "fabriclite run":
-        requeue(say=_say)
+        requeue(say=say)
 
 
 def say(message: str) -> None:
     """Write one line to standard error from any thread, even while the main thread is inside a print."""
     os.write(2, f"{message}\n".encode())  # not print(): the main thread may be inside a print right now
-
-
-_say = say
 
 
 # ---------------------------------------------------------------------- SLURM
@@ -339,13 +348,11 @@ def _forget_wakeup_fd() -> None:
 def _watch(read_fd: int, main_id: int) -> None:
     """The loop: every signal is an event; between events, the timers (an interrupt the main thread cannot take, the
     grace after a notice) and a pending exit after the saves under way."""
-    blocked_at: tuple[int, int, str] | None = None  # where the main thread was when SIGINT came
-    interrupt_until = None
-    interrupted_at = 0.0
+    interrupt = _Interrupt()
     while True:
-        timers = [t for t in (interrupt_until, _deadline()) if t is not None]
+        timers = [t for t in (interrupt.until, _deadline()) if t is not None]
         wait = min(timers) - time.monotonic() if timers else None
-        if _policy.leaving or interrupt_until is not None:
+        if _policy.leaving or interrupt.until is not None:
             wait = 0.1 if wait is None else min(wait, 0.1)  # poll the saves, and the main thread's place
         ready, _, _ = select.select([read_fd], [], [], None if wait is None else max(0.0, wait))
         if ready:
@@ -354,39 +361,88 @@ def _watch(read_fd: int, main_id: int) -> None:
                 return
             for signum in dict.fromkeys(received):  # in arrival order, once each
                 _event(signum)
-                if signum == signal.SIGINT and interrupt_until is None:
-                    blocked_at = _main_position(main_id)
-                    interrupt_until = time.monotonic() + INTERRUPT_GRACE_S
-                    interrupted_at = time.monotonic()
+                if signum == signal.SIGINT:
+                    interrupt.arm(_main_position(main_id))
         if _policy.leaving:
             _leave_if_done()
-        if interrupt_until is not None:
-            position = _main_position(main_id)
-            if blocked_at is None or position != blocked_at:
-                # The main thread moved: its KeyboardInterrupt runs, and decides. Watched a while longer all the
-                # same: a SIGINT that came just before the main thread entered native code (a collective) is taken
-                # only once that returns, so a stop there counts again from where it stopped.
-                if time.monotonic() - interrupted_at < INTERRUPT_WATCH_S:
-                    blocked_at, interrupt_until = position, time.monotonic() + INTERRUPT_GRACE_S
-                else:
-                    interrupt_until = None
-            elif time.monotonic() >= interrupt_until:
-                _say(
-                    f"fabriclite: SIGINT received, and this process stayed blocked for {INTERRUPT_GRACE_S:g} s in "
-                    f"{blocked_at[2]} (most often a collective waiting for another rank), where Python cannot "
-                    f"stop it; exiting with code {128 + signal.SIGINT}."
-                )
-                _kill_children()
-                exit_now(128 + signal.SIGINT)
+        if interrupt.until is not None and interrupt.blocked(_main_position(main_id)):
+            say(
+                f"fabriclite: SIGINT received{' again' if interrupt.again else ''}, and this process stayed blocked "
+                f"for {interrupt.grace:g} s in {interrupt.blocked_at[2]} (most often a collective waiting for "
+                f"another rank), where Python cannot stop it; exiting with code {128 + signal.SIGINT}."
+            )
+            _kill_children()
+            exit_now(128 + signal.SIGINT)
         left = _policy.grace_left()
         if left is not None and left <= 0:
             notice = _policy.notice or signal.SIGTERM
-            _say(
+            say(
                 f"fabriclite: rank {_policy.rank} has not ended {GRACE_S:g} s after the preemption notice; ending it "
                 f"(exit code {128 + notice})."
             )
             _kill_children()
             exit_now(128 + notice)
+
+
+# ---------------------------------------------------------------------- interrupts
+_raised_at: float | None = None  # when Python last raised KeyboardInterrupt for a SIGINT (time.monotonic())
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    """SIGINT's handler in place of Python's own (``signal.default_int_handler``), which it does as that does,
+    noting when: Python runs it in the main thread between two bytecodes, so from then on the main thread is the
+    user's code handling the interrupt, not native code that cannot take it."""
+    global _raised_at
+    now = time.monotonic()
+    if _raised_at is not None and now - _raised_at < SAME_NOTICE_S:
+        return  # the same SIGINT come twice (the terminal's, and a launcher's copy): raised once
+    _raised_at = now
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether Python raised a KeyboardInterrupt for a SIGINT (Ctrl-C) in this process: then a rank it started that
+    ended by the same interrupt did as asked. Usage: ``if code == 130 and interrupted(): ...``."""
+    return _raised_at is not None
+
+
+class _Interrupt:
+    """The watching thread's side of a SIGINT: armed when one comes that Python has not raised, it says the main
+    thread is ``blocked`` once it has stayed at one instruction for ``grace`` seconds (counted again wherever it
+    stops within ``INTERRUPT_WATCH_S``), and stands down once Python raises the KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.until: float | None = None  # when the main thread counts as blocked, while armed
+        self.armed_at = 0.0
+        self.blocked_at: tuple[int, int, str] | None = None  # where the main thread stands
+        self.grace = INTERRUPT_GRACE_S
+        self.again = False  # a SIGINT after Python had raised one
+
+    def arm(self, position: tuple[int, int, str] | None) -> None:
+        now = time.monotonic()
+        if self.until is not None or self._raised_since(now - SAME_NOTICE_S):
+            return  # armed already, or Python raised this SIGINT (or the same one come twice) before we read it
+        self.again = _raised_at is not None
+        self.grace = INTERRUPT_AGAIN_S if self.again else INTERRUPT_GRACE_S
+        self.armed_at, self.blocked_at, self.until = now, position, now + self.grace
+
+    def blocked(self, position: tuple[int, int, str] | None) -> bool:
+        now = time.monotonic()
+        # Python raised it (this SIGINT, or one the handler took for it come twice): the user's code decides now.
+        if self._raised_since(self.armed_at - SAME_NOTICE_S):
+            self.until = None
+        elif self.blocked_at is None or position != self.blocked_at:
+            # The main thread moved without raising it: a SIGINT that came just before it entered native code (a
+            # collective) is raised only once that returns, so a stop there counts again from where it stopped.
+            if now - self.armed_at < INTERRUPT_WATCH_S:
+                self.blocked_at, self.until = position, now + self.grace
+            else:
+                self.until = None
+        return self.until is not None and now >= self.until
+
+    @staticmethod
+    def _raised_since(moment: float) -> bool:
+        return _raised_at is not None and _raised_at >= moment
 
 
 def _deadline() -> float | None:

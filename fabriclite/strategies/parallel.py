@@ -46,6 +46,12 @@ class ParallelStrategy(Strategy):
     ``timeout`` bounds how long a collective waits for a rank that died or hangs before raising. ``stall_timeout``
     (seconds; None turns it off) is when a rank waiting in a collective first prints which ranks have not arrived
     and where each one is (``fabriclite.processes.watchdog``), and when a slow start says which processes have not joined.
+
+    Fabric's own collectives (``barrier``, ``broadcast``, the gathers and reductions without a ``group``, and so
+    the first collective of a save or load) run over ``calls_group``, a process group of their own: a call made on
+    some ranks only then waits there, never pairing with the other ranks' training collectives (DDP's and FSDP's
+    stay on their groups), until the watchdog proves it and ends the run saying which call. Where the process
+    group existed before (the user's own ``init_process_group``), they run over the default group, as then.
     """
 
     syncs_in_forward = True
@@ -88,7 +94,8 @@ class ParallelStrategy(Strategy):
     def _process_state(self) -> dict[str, Any]:
         environment: ProcessEnvironment | None = None  # read in configure, or once our launcher has set it
         watchdog: StallWatchdog | None = None
-        return {**super()._process_state(), "environment": environment, "watchdog": watchdog}
+        state = {"environment": environment, "watchdog": watchdog, "calls_group": None, "_store": None}
+        return {**super()._process_state(), **state}
 
     def configure(self, accelerator: Accelerator, num_nodes: int = 1) -> None:
         """Read the environment: processes that are already running join it; otherwise pick the launcher that
@@ -150,7 +157,7 @@ class ParallelStrategy(Strategy):
             self.environment = detect_environment(self.cluster_environment)
         super().setup_environment()
         rank_zero_only.rank = self.global_rank  # a forked or spawned process imported it before it knew its rank
-        if dist.is_initialized():
+        if dist.is_initialized():  # the user's own group (Lightning's RL example: trainers in a group of theirs)
             return
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(cpu_threads_per_process(self.local_processes))
@@ -177,6 +184,8 @@ class ParallelStrategy(Strategy):
                 store = generation.store
             log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
+            self.calls_group = dist.new_group(timeout=self.timeout)
+            self._store = store  # rank 0 serves it: kept until this process ends, for the ranks' last words
         rank_zero_info(  # Lightning's words
             f"{'-' * 100}\ndistributed_backend={backend}\n"
             f"All distributed processes registered. Starting with {world_size} processes\n{'-' * 100}\n"
@@ -185,7 +194,14 @@ class ParallelStrategy(Strategy):
             generation.watch()
         if self.stall_timeout is not None and self.world_size > 1:
             prefix = generation.prefix if generation is not None else ""
-            self.watchdog = StallWatchdog(self.global_rank, self.world_size, self.stall_timeout, self.timeout, prefix)
+            self.watchdog = StallWatchdog(
+                self.global_rank,
+                self.world_size,
+                self.stall_timeout,
+                self.timeout,
+                prefix,
+                groups=self._counted_groups,
+            )
             self.watchdog.start()
         # A gloo group still alive when the interpreter exits can abort the process (SIGABRT): close it first.
         atexit.register(self.teardown)
@@ -203,7 +219,29 @@ class ParallelStrategy(Strategy):
         reset_compiler()
         gc.collect()
         dist.destroy_process_group()
+        self.calls_group = None
         gc.collect()
+
+    def _counted_groups(self) -> tuple[Any, list[Any]]:
+        # What the watchdog counts: the calls group, and the groups the training issues its collectives on in
+        # program order: the default one, and a device mesh's (FSDP, tensor parallel). Not those of background
+        # threads (the asynchronous checkpoint writer's), whose order against the step is not fixed.
+        if self.calls_group is None or not dist.is_initialized():
+            return None, []
+        mesh = self.__dict__.get("mesh")
+        training = [dist.group.WORLD, *(mesh.get_all_groups() if mesh is not None else [])]
+        return self.calls_group, list({id(group): group for group in training}.values())
+
+    def _call(self, collective: Any, *args: Any, **kwargs: Any) -> Any:
+        """``collective(*args, group=calls_group, **kwargs)``; when it fails because a rank went past a call it did
+        not make and ended (closing the group), the watchdog's explanation is raised instead of the backend's."""
+        try:
+            return collective(*args, group=self.calls_group, **kwargs)
+        except RuntimeError:
+            explained = self.watchdog.explain() if self.watchdog is not None else None
+            if explained is None:
+                raise
+            raise RuntimeError(explained) from None
 
     def process_dataloader(self, dataloader: DataLoader, use_distributed_sampler: bool) -> DataLoader:
         """Give each rank its shard: a copy of the loader with a distributed sampler, keeping shuffle and seed."""
@@ -217,27 +255,38 @@ class ParallelStrategy(Strategy):
         """(how many different shards of the data there are, which one this rank reads): one per rank here."""
         return self.world_size, self.global_rank
 
-    # Collectives: before the process group exists (or after teardown) there is nobody to exchange with.
+    # Collectives: before the process group exists (or after teardown) there is nobody to exchange with. Without a
+    # group of the caller's, over the calls group (see the class's docstring).
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            self._call(dist.barrier)
 
     # DTensors (FSDP parameters) take part with their full value: see fabriclite.collectives.
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast_object(collectives.full_value(obj), src) if dist.is_initialized() else obj
+        if not dist.is_initialized():
+            return obj
+        return self._call(collectives.broadcast_object, collectives.full_value(obj), src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return collectives.all_gather_object(obj) if dist.is_initialized() else [obj]
+        return self._call(collectives.all_gather_object, obj) if dist.is_initialized() else [obj]
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, reduce_op: str = "mean") -> torch.Tensor:
-        return (
-            collectives.all_reduce(collectives.full_value(tensor), reduce_op, group)
-            if dist.is_initialized()
-            else tensor
-        )
+        if not dist.is_initialized():
+            return tensor
+        if group is not None:
+            return collectives.all_reduce(collectives.full_value(tensor), reduce_op, group)
+        return self._call(collectives.all_reduce, collectives.full_value(tensor), reduce_op)
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> Any:
         """Stack every rank's tensor along a new first dimension; when first dimensions differ, return the list."""
         if not dist.is_initialized():
             return tensor
-        return collectives.all_gather(collectives.full_value(tensor), group, sync_grads)
+        if group is not None:
+            return collectives.all_gather(collectives.full_value(tensor), group, sync_grads)
+        return self._call(collectives.all_gather, collectives.full_value(tensor), sync_grads=sync_grads)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        # First a barrier over the calls group: a sharded load's own collectives run on the default group, where a
+        # load made on some ranks only would pair with the others' training.
+        self.barrier("load")
+        return super().load_checkpoint(*args, **kwargs)

@@ -59,8 +59,11 @@ def test_the_planned_peak_of_the_gpt_example_is_within_10_percent_of_a_real_run(
 # Parameters rank 0 holds under tensor parallel 2 x FSDP 2: per block, column-split q, k, v and MLP up projection
 # (weights and biases halved), row-split output projections (weights halved, biases whole), norms whole; the
 # embeddings and the last norm whole; FSDP then halves all of it. HSDP shards over 2 and replicates.
-TP_BLOCK = 2 * 256 + 3 * (128 * 128 + 128) // 2 + (128 * 128 // 2 + 128) + (128 * 512 + 512) // 2 + (512 * 128 // 2 + 128)
+TP_BLOCK = (
+    2 * 256 + 3 * (128 * 128 + 128) // 2 + (128 * 128 // 2 + 128) + (128 * 512 + 512) // 2 + (512 * 128 // 2 + 128)
+)
 SHARES = {"tp": (4 * TP_BLOCK + 256 * 128 + 128 * 128 + 256) // 2, "hsdp": GPT_PARAMETERS // 2}
+
 
 @pytest.mark.parametrize(
     "layout, mesh, share",

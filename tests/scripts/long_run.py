@@ -55,7 +55,9 @@ class SlowIO(TorchCheckpointIO):
 
 plugins = [SlowIO()] if args.slow_io else []
 if args.requeue_signal:
-    plugins.append(SLURMEnvironment(auto_requeue=not args.no_auto_requeue, requeue_signal=getattr(signal, args.requeue_signal)))
+    plugins.append(
+        SLURMEnvironment(auto_requeue=not args.no_auto_requeue, requeue_signal=getattr(signal, args.requeue_signal))
+    )
 fabric = Fabric(accelerator=args.accelerator, devices=args.devices, plugins=plugins)
 fabric.launch()
 print(f"pid {fabric.global_rank} {os.getpid()}", flush=True)

@@ -26,7 +26,6 @@ import os
 import runpy
 import sys
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -51,7 +51,7 @@ def main() -> None:
     model = nn.Sequential(Block(), Block())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = fabric.setup(model, optimizer)
-    for step in range(3):
+    for step in range(3):  # noqa: B007 (printed after the loop)
         loss = model(torch.randn(8, 32, device=fabric.device)).pow(2).mean()
         fabric.backward(loss)
         optimizer.step()

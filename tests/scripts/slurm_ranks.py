@@ -19,5 +19,7 @@ fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=plugins)
 fabric.launch()
 ranks = fabric.all_gather(torch.tensor(fabric.global_rank)).tolist()
 procid = os.environ.get("SLURM_PROCID")
-os.write(1, f"rank {fabric.global_rank} of {fabric.world_size} pid {os.getpid()} procid {procid} gathered {ranks}\n".encode())
+os.write(
+    1, f"rank {fabric.global_rank} of {fabric.world_size} pid {os.getpid()} procid {procid} gathered {ranks}\n".encode()
+)
 fabric.barrier()

@@ -13,6 +13,7 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed as dist
 
+from fabriclite import accelerators
 from fabriclite._collections import apply_to_collection
 from fabriclite.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -384,6 +385,13 @@ def select_precision(name: str, device: torch.device) -> Precision:
             stacklevel=6,  # the Fabric(...) line, through fabriclite.plugins.select_precision
         )
         name = "bf16-mixed"
+    if "bf16" in name and device.type == "cpu" and not accelerators.cpu_has_native_bf16():
+        rank_zero_warn(
+            f"precision={name!r} is emulated on this CPU, which has no native bfloat16 (AVX-512 BF16, AMX or Arm's "
+            "BF16): a step takes about 3x as long as in fp32 (the README's demo on an AVX2 CPU: 43 s against 13.6 s, "
+            "and no better accuracy). Pass precision='32-true' on this machine.",
+            stacklevel=6,  # the Fabric(...) line, through fabriclite.plugins.select_precision
+        )
     if name.endswith("-mixed"):
         # Lightning Fabric's words, for log readers and tests that look for them.
         amp = "16-bit" if name == "16-mixed" else "bfloat16"
