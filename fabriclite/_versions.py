@@ -298,10 +298,8 @@ def inductor_vec_isa_fingerprint() -> str | None:
 def inductor_vec_isa_all_pass() -> bool:
     """Run Inductor's check of the CPU's vector instruction sets (it builds a test program per set and loads each in
     a child process; its result is kept for this process) and say whether every set the CPU's flags offer passed.
-    x86-64 only (see ``inductor_vec_isa_fingerprint``).
-
-    Usage: ``inductor_vec_isa_all_pass()`` -> True on a machine whose C++ compiler and torch agree.
-    """
+    x86-64 only (see ``inductor_vec_isa_fingerprint``). Usage: ``inductor_vec_isa_all_pass()`` -> True on a machine
+    whose C++ compiler and torch agree."""
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
     offered = _offered_vec_isas()
@@ -328,9 +326,7 @@ def cpu_bf16_instructions() -> bool | None:
 
 def dynamo_supported() -> bool:
     """Whether ``torch.compile``'s frame evaluation (dynamo) runs on this Python and platform.
-
-    Usage: ``if not dynamo_supported(): pytest.skip("torch.dynamo")``.
-    """
+    Usage: ``if not dynamo_supported(): pytest.skip("torch.dynamo")``."""
     from torch._dynamo.eval_frame import is_dynamo_supported
 
     return is_dynamo_supported()
@@ -368,10 +364,7 @@ def average_gradients_on_gloo(module: torch.nn.Module) -> None:
     ignores the operation and sums on torch 2.6, 2.7 and 2.8 (gradients exactly world size times one process's;
     2.11 and newer average). Asking FSDP2 for sum reductions (``set_force_sum_reduction_for_comms``, torch >= 2.8)
     makes it divide the gradients itself, which is right on every version, also for hybrid sharding's all-reduce;
-    on NCCL nothing changes.
-
-    Usage: ``average_gradients_on_gloo(model)`` after ``fully_shard``.
-    """
+    on NCCL nothing changes. Usage: ``average_gradients_on_gloo(model)`` after ``fully_shard``."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -391,9 +384,7 @@ def average_gradients_on_gloo(module: torch.nn.Module) -> None:
 def inner_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding the memory of a wrapper tensor subclass (torchao's float8 weights wrap their fp32
     weight), or ``tensor`` itself: a wrapper has no storage of its own.
-
-    Usage: ``inner_tensor(dtensor.to_local()).untyped_storage()``.
-    """
+    Usage: ``inner_tensor(dtensor.to_local()).untyped_storage()``."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     while is_traceable_wrapper_subclass(tensor):
