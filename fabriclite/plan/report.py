@@ -18,7 +18,6 @@ from fabriclite.plan.memory import KINDS
 
 # Figures the issue asks for that no plan computes yet, and why: printed as such, never as numbers.
 NOT_ESTIMATED = (
-    ("the largest micro-batch that fits --device-memory", "not searched yet: plan again with another batch size"),
     ("other kinds of rank (tensor-parallel positions, the last rank of an uneven split)", "only rank 0 is planned"),
     ("torch.compile, Fabric(kernels=True)", "planned as eager torch ops: compiled kernels may keep less"),
     (
@@ -64,6 +63,7 @@ class Plan:
     collectives: list[dict[str, Any]] | None = None  # traffic.CollectiveCounter.by_collective of the last step
     checkpoint: dict[str, Any] | None = None  # traffic.checkpoint_bytes: {"sharded", "total", "rank0"}
     warnings: list[str] = field(default_factory=list)  # "UserWarning: message", each once, as the run shows them
+    batch: dict[str, Any] | None = None  # batch.largest_batch: the largest micro-batch that fits device_memory
     seconds: float = 0.0
 
     @property
@@ -94,6 +94,7 @@ class Plan:
             "checkpoint": self.checkpoint,
             "values_read": [read.where for read in self.reads],
             "warnings": self.warnings,
+            "batch": self.batch,
             "not_estimated": dict(NOT_ESTIMATED),
             "seconds": round(self.seconds, 2),
             "ok": self.ok,
@@ -125,6 +126,7 @@ class Plan:
             lines += [f"  {name:<{width}}  {value}" for name, value in self.configuration]
             lines.append("")
         lines += self._memory_lines()
+        lines += self._batch_lines()
         lines += self._traffic_lines()
         if self.warnings:
             lines.append("warnings the run shows")
@@ -156,6 +158,28 @@ class Plan:
                 f"fits, {format_bytes(left)} to spare" if left >= 0 else f"does NOT fit: {format_bytes(-left)} over"
             )
             lines.append(f"  device memory {format_bytes(self.device_memory)}: {verdict}")
+        lines.append("")
+        return lines
+
+    def _batch_lines(self) -> list[str]:
+        if self.batch is None:
+            return []
+        batch = self.batch
+        lines = [f"micro-batch per rank (the loaders' batch size; the script's: {batch['script']})"]
+        for row in batch["traced"]:
+            peak = "did not trace" if row["peak_bytes"] is None else format_bytes(row["peak_bytes"])
+            lines.append(f"  traced at {row['batch']:<6} peak {peak:>12}{'' if row['fits'] else '  (does not fit)'}")
+        if batch["largest"]:
+            peak = next(row["peak_bytes"] for row in batch["traced"] if row["batch"] == batch["largest"])
+            lines.append(
+                f"  largest that fits {format_bytes(self.device_memory)}: {batch['largest']} "
+                f"(traced: peak {format_bytes(peak)})"
+            )
+        elif batch["largest"] == 0 and batch["changes"]:
+            lines.append(f"  not even batch 1 fits {format_bytes(self.device_memory)}; what to change:")
+            lines += [f"    - {change}" for change in batch["changes"]]
+        if batch.get("note"):
+            lines.append(f"  {batch['note']}")
         lines.append("")
         return lines
 

@@ -131,6 +131,24 @@ def test_a_configuration_that_trains_is_planned_to_its_second_step_and_fits():
     assert planned["ok"] and planned["steps"] == 2 and planned["error"] is None and planned["limit"] is None
     too_small = plan("--devices", "2", "--device-memory", "1KiB", CONFIGS, "fine")
     assert not too_small["ok"] and too_small["peak_bytes"] == planned["peak_bytes"]
+    # Its batch is made in the script, not by a loader the plan could change: no search, and the plan says why.
+    assert planned["batch"]["largest"] is None and "no loader with torch's BatchSampler" in planned["batch"]["note"]
+
+
+def test_the_largest_micro_batch_that_fits_is_traced_and_a_real_run_at_it_peaks_within_10_percent():
+    predicted = plan("--devices", "2", "--device-memory", "1MiB", CONFIGS, "loader", "16", check=True)
+    batch = predicted["batch"]
+    largest = batch["largest"]
+    assert batch["script"] == 16 and largest > 16 and batch["first_over"] == largest + 1, batch
+    rows = {row["batch"]: row for row in batch["traced"]}
+    assert rows[largest]["peak_bytes"] <= 2**20 < rows[largest + 1]["peak_bytes"], rows
+    # The same script given that batch, run for real on 2 gloo processes: each rank's peak as torch's profiler
+    # counts it (this 2-process run has no kernels' scratch to speak of).
+    for rank, peak in enumerate(measured_peaks(2, CONFIGS, "loader", str(largest))):
+        assert abs(rows[largest]["peak_bytes"] - peak) <= 0.10 * peak, (rank, rows[largest], peak)
+    too_small = plan("--devices", "2", "--device-memory", "100KiB", CONFIGS, "loader", "16")
+    assert too_small["batch"]["largest"] == 0 and not too_small["ok"]
+    assert too_small["batch"]["changes"][0].startswith("at batch 1 the peak is"), too_small["batch"]
 
 
 def test_the_plan_command_refuses_bad_arguments_before_running_anything(tmp_path):
