@@ -32,6 +32,7 @@ from fabriclite.plan.memory import MemoryTracker
 from fabriclite.plan.report import Plan, describe, format_bytes
 from fabriclite.plan.traffic import CollectiveCounter, checkpoint_bytes
 from fabriclite.plan.world import FakeWorld, PlanStop
+from fabriclite.strategies.fsdp import without_activation_checkpointing
 
 __all__ = ["Plan", "parse_bytes", "plan_script", "format_bytes"]
 
@@ -82,6 +83,13 @@ def plan_script(
     plan = Plan(script, world_size, devices, num_nodes, device_memory=memory)
     start = time.perf_counter()
     script_sizes = _trace(plan, args, variables, steps)
+    if plan.memory is not None and "activation checkpointing" in dict(plan.configuration):
+        without = Plan(script, world_size, devices, num_nodes)
+        with without_activation_checkpointing():
+            _trace(without, args, variables, steps)
+        if without.memory is not None:
+            activations = without.memory["activations and temporaries"]
+            plan.without_checkpointing = {"peak_bytes": without.peak_bytes, "activations": activations}
     if memory is not None and plan.memory is not None and plan.error is None and plan.limit is None:
 
         def trace(batch_size: int) -> Plan:  # the same plan at another micro-batch

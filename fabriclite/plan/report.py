@@ -64,6 +64,8 @@ class Plan:
     checkpoint: dict[str, Any] | None = None  # traffic.checkpoint_bytes: {"sharded", "total", "rank0"}
     warnings: list[str] = field(default_factory=list)  # "UserWarning: message", each once, as the run shows them
     batch: dict[str, Any] | None = None  # batch.largest_batch: the largest micro-batch that fits device_memory
+    # Where the script checkpoints activations, the plan traced again without: {"peak_bytes", "activations"}.
+    without_checkpointing: dict[str, int] | None = None
     seconds: float = 0.0
 
     @property
@@ -95,6 +97,7 @@ class Plan:
             "values_read": [read.where for read in self.reads],
             "warnings": self.warnings,
             "batch": self.batch,
+            "without_activation_checkpointing": self.without_checkpointing,
             "not_estimated": dict(NOT_ESTIMATED),
             "seconds": round(self.seconds, 2),
             "ok": self.ok,
@@ -150,6 +153,12 @@ class Plan:
         lines = [f"memory of rank 0 at the peak of the steps: {format_bytes(self.peak_bytes)}"]
         for kind in KINDS:
             lines.append(f"  {kind:<28} {format_bytes(self.memory[kind]):>12}")
+        if self.without_checkpointing is not None:
+            lines.append(
+                f"  (without activation checkpointing: activations and temporaries "
+                f"{format_bytes(self.without_checkpointing['activations'])}, a peak of "
+                f"{format_bytes(self.without_checkpointing['peak_bytes'])})"
+            )
         lines.append(f"  (peak while building and setting up the model: {format_bytes(self.setup_peak_bytes)})")
         if self.device_memory is not None:
             peak = max(self.peak_bytes, self.setup_peak_bytes)
@@ -237,6 +246,9 @@ def _strategy_lines(strategy: Any) -> list[tuple[str, str]]:
     if mesh is not None:
         names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
         lines.append(("device mesh", " x ".join(f"{name} {size}" for name, size in zip(names, mesh.shape))))
+    policy = getattr(strategy, "checkpoint_policy", None)
+    if policy is not None:
+        lines.append(("activation checkpointing", f"activation_checkpointing_policy={_policy(policy.policy)}"))
     if hasattr(strategy, "reshard_after_forward"):
         sharding = {"flat": "over every rank", "hybrid": "within a group, replicated across", "replicate": "none"}
         lines.append(
@@ -298,6 +310,14 @@ def _model_lines(wrapped: Any, name: str) -> list[tuple[str, str]]:
     if grads:
         lines.append((f"{name} gradients", _dtypes(grads)))
     return lines
+
+
+def _policy(policy: Any) -> str:
+    """A policy as the script wrote it: ``{Block}`` for a set of classes, else its repr."""
+    if isinstance(policy, (set, frozenset, list, tuple)) and all(isinstance(c, type) for c in policy):
+        names = sorted(c.__name__ for c in policy)
+        return f"{{{', '.join(names)}}}" if isinstance(policy, (set, frozenset)) else f"[{', '.join(names)}]"
+    return repr(policy)
 
 
 def _user_class(module: Any) -> str:

@@ -92,6 +92,19 @@ def test_tensor_parallel_and_hsdp_plans_of_the_gpt_are_within_10_percent_of_a_re
     assert 2 * memory["parameters"] <= memory["optimizer state"] <= 2 * memory["parameters"] + 4 * 128, memory
 
 
+def test_activations_are_planned_with_and_without_the_checkpointing_the_script_sets_and_match_real_runs_of_both():
+    predicted = plan("--devices", "1", CONFIGS, "checkpointed", "512", check=True)
+    assert predicted["configuration"]["activation checkpointing"] == "activation_checkpointing_policy={Block}"
+    without = predicted["without_activation_checkpointing"]
+    assert without["activations"] > predicted["memory"]["activations and temporaries"]
+    # Real runs on a gloo process: the script as it is, and with plain FSDP (no checkpointing) on the same batches.
+    checkpointed = measured_peaks(1, CONFIGS, "checkpointed", "512")[0]
+    plain = measured_peaks(1, CONFIGS, "fine", "512")[0]
+    assert abs(predicted["peak_bytes"] - checkpointed) <= 0.10 * checkpointed, (predicted["peak_bytes"], checkpointed)
+    assert abs(without["peak_bytes"] - plain) <= 0.10 * plain, (without, plain)
+    assert abs(predicted["peak_bytes"] - plain) > 0.10 * plain  # the two figures are told apart
+
+
 def test_the_plan_reports_the_configuration_fabriclite_resolved(tmp_path):
     args = [GPT, "--quick", "--strategy", "fsdp", "--precision", "bf16-mixed", "--out-dir", str(tmp_path)]
     config = plan("--devices", "4", "--num-nodes", "2", *args, check=True)["configuration"]
@@ -136,7 +149,7 @@ def test_a_configuration_that_trains_is_planned_to_its_second_step_and_fits():
 
 
 def test_the_largest_micro_batch_that_fits_is_traced_and_a_real_run_at_it_peaks_within_10_percent():
-    predicted = plan("--devices", "2", "--device-memory", "1MiB", CONFIGS, "loader", "16", check=True)
+    predicted = plan("--devices", "2", "--device-memory", "1MiB", CONFIGS, "fine", "16", check=True)
     batch = predicted["batch"]
     largest = batch["largest"]
     assert batch["script"] == 16 and largest > 16 and batch["first_over"] == largest + 1, batch
@@ -144,9 +157,9 @@ def test_the_largest_micro_batch_that_fits_is_traced_and_a_real_run_at_it_peaks_
     assert rows[largest]["peak_bytes"] <= 2**20 < rows[largest + 1]["peak_bytes"], rows
     # The same script given that batch, run for real on 2 gloo processes: each rank's peak as torch's profiler
     # counts it (this 2-process run has no kernels' scratch to speak of).
-    for rank, peak in enumerate(measured_peaks(2, CONFIGS, "loader", str(largest))):
+    for rank, peak in enumerate(measured_peaks(2, CONFIGS, "fine", str(largest))):
         assert abs(rows[largest]["peak_bytes"] - peak) <= 0.10 * peak, (rank, rows[largest], peak)
-    too_small = plan("--devices", "2", "--device-memory", "100KiB", CONFIGS, "loader", "16")
+    too_small = plan("--devices", "2", "--device-memory", "100KiB", CONFIGS, "fine", "16")
     assert too_small["batch"]["largest"] == 0 and not too_small["ok"]
     assert too_small["batch"]["changes"][0].startswith("at batch 1 the peak is"), too_small["batch"]
 

@@ -4,7 +4,9 @@ says about it with what a real launch (`fabriclite run --devices 2`) does:
 - ``hybrid-mesh``: FSDP's hybrid sharding on a (3, 2) mesh, which does not divide a world of 2: setup raises.
 - ``tp-missing-layer``: tensor parallel with a plan naming a layer the model lacks: torch warns and skips it.
 - ``fine``: plain FSDP; trains.
-- ``loader BATCH``: plain FSDP on batches of BATCH rows from a loader set up by Fabric; trains.
+- ``checkpointed``: FSDP checkpointing the activations of each block; trains.
+
+A second argument, BATCH, trains on batches of BATCH rows from a loader set up by Fabric instead of 8 random rows.
 
 Prints ``TRAINED <steps>`` after its loop.
 """
@@ -53,7 +55,7 @@ STRATEGIES = {
     "hybrid-mesh": lambda: FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(3, 2)),
     "tp-missing-layer": lambda: ModelParallelStrategy(parallelize, data_parallel_size=1, tensor_parallel_size=2),
     "fine": lambda: FSDPStrategy(),
-    "loader": lambda: FSDPStrategy(),
+    "checkpointed": lambda: FSDPStrategy(activation_checkpointing_policy={Block}),
 }
 
 
@@ -65,7 +67,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = fabric.setup(model, optimizer)
     batches = (torch.randn(8, 32, device=fabric.device) for _ in range(3))
-    if sys.argv[1] == "loader":
+    if len(sys.argv) > 2:
         loader = DataLoader(Rows(), batch_size=int(sys.argv[2]))
         loader = fabric.setup_dataloaders(loader)
         batches = (x for _ in range(3) for x in loader)
