@@ -116,14 +116,25 @@ def test_the_plan_reports_the_configuration_fabriclite_resolved(tmp_path):
     assert config["optimizer"] == "AdamW; state float32"
 
 
-def test_a_mesh_that_does_not_divide_the_world_fails_in_the_plan_with_the_error_of_a_real_launch():
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ("hybrid-mesh", "ValueError: device_mesh=(3, 2) holds 6 processes, but the world size is 2"),
+        # Batches from a batch sampler of the script's own, which fabriclite cannot split between the ranks.
+        (
+            "unsplittable-batches",
+            "ValueError: The DataLoader uses a custom batch_sampler (Chunks) without a `.sampler`",
+        ),
+    ],
+    ids=["a-mesh-that-does-not-divide-the-world", "a-batch-that-cannot-split-between-the-ranks"],
+)
+def test_a_wrong_configuration_fails_in_the_plan_with_the_error_of_a_real_launch(config, expected):
     launch = run_python(
-        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", CONFIGS, "hybrid-mesh",
+        "-m", "fabriclite.cli", "run", "--accelerator", "cpu", "--devices", "2", CONFIGS, config,
         timeout=TIMEOUT, check=False,
     )  # fmt: skip
-    expected = "ValueError: device_mesh=(3, 2) holds 6 processes, but the world size is 2"
     assert launch.returncode != 0 and expected in launch.stderr, launch.stderr[-3000:]
-    planned = plan("--devices", "2", CONFIGS, "hybrid-mesh")
+    planned = plan("--devices", "2", CONFIGS, config)
     assert planned["error"].startswith(expected) and planned["error_at_setup"]
     assert not planned["ok"] and planned["steps"] == 0
 

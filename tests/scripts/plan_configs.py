@@ -5,6 +5,8 @@ says about it with what a real launch (`fabriclite run --devices 2`) does:
 - ``tp-missing-layer``: tensor parallel with a plan naming a layer the model lacks: torch warns and skips it.
 - ``fine``: plain FSDP; trains.
 - ``checkpointed``: FSDP checkpointing the activations of each block; trains.
+- ``unsplittable-batches``: FSDP on batches from a batch sampler of the script's own that fabriclite cannot split
+  between the ranks (it has no ``.sampler``): ``setup_dataloaders`` raises.
 
 A second argument, BATCH, trains on batches of BATCH rows from a loader set up by Fabric instead of 8 random rows.
 
@@ -56,7 +58,18 @@ STRATEGIES = {
     "tp-missing-layer": lambda: ModelParallelStrategy(parallelize, data_parallel_size=1, tensor_parallel_size=2),
     "fine": lambda: FSDPStrategy(),
     "checkpointed": lambda: FSDPStrategy(activation_checkpointing_policy={Block}),
+    "unsplittable-batches": lambda: FSDPStrategy(),
 }
+
+
+class Chunks:
+    """Batches of 8 consecutive rows, drawn by a batch sampler with no ``.sampler`` for fabriclite to shard."""
+
+    def __iter__(self):
+        return (list(range(start, start + 8)) for start in range(0, 64, 8))
+
+    def __len__(self) -> int:
+        return 8
 
 
 def main() -> None:
@@ -67,8 +80,12 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = fabric.setup(model, optimizer)
     batches = (torch.randn(8, 32, device=fabric.device) for _ in range(3))
-    if len(sys.argv) > 2:
-        loader = DataLoader(Rows(), batch_size=int(sys.argv[2]))
+    if len(sys.argv) > 2 or sys.argv[1] == "unsplittable-batches":
+        loader = (
+            DataLoader(Rows(), batch_size=int(sys.argv[2]))
+            if len(sys.argv) > 2
+            else DataLoader(Rows(), batch_sampler=Chunks())
+        )
         loader = fabric.setup_dataloaders(loader)
         batches = (x for _ in range(3) for x in loader)
     for step, x in zip(range(3), batches):  # noqa: B007 (printed after the loop)
