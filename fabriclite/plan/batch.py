@@ -82,8 +82,11 @@ def _next_guess(traced: dict[int, Plan], memory: int) -> int | None:
     else:  # all on one side: the two traces nearest the memory
         a, b = fitting[-2:] if fitting else over[:2]
     growth = (_needs(traced[b]) - _needs(traced[a])) / (b - a)
-    if growth <= 0:  # flat: no line to follow; with every trace over, try the smallest batch
-        return None if high is None or low + 1 in traced else low + 1
+    if growth <= 0:  # flat: something else holds the peak (the shuffle's permutation, the model's state)
+        if high is not None:  # every trace over: try 1
+            return None if 1 in traced else 1
+        flat = len({_needs(traced[batch]) for batch in fitting[-3:]}) == 1
+        return None if flat and len(fitting) >= 3 else 2 * low  # double, until three traces in a row held the same
     guess = max(a + math.floor((memory - _needs(traced[a])) / growth), low + 1)
     if high is not None:
         guess = min(guess, high - 1)

@@ -67,4 +67,14 @@ def test_a_peak_that_does_not_grow_with_the_batch_ends_the_search():
     trace, traced = tracer(lambda batch: 5_000_000)
     found = largest_batch(planned(32, lambda batch: 5_000_000), [32], trace)
     assert found["first_over"] is None and "does not grow with the loaders' batch" in found["note"]
-    assert traced == [16]
+    assert traced == [16, 64]  # doubled once, then three traces in a row held the same peak
+
+
+def test_a_peak_flat_at_small_batches_is_followed_by_doubling_the_batch():
+    def shuffle_then_activations(batch: int) -> int:  # a 9 MB permutation holds the peak up to batch 30
+        return max(9_000_000, 6_000_000 + 100_000 * batch)
+
+    trace, traced = tracer(shuffle_then_activations)
+    found = largest_batch(planned(16, shuffle_then_activations), [16], trace)
+    assert found["largest"] == 40 and found["first_over"] == 41, found
+    assert traced[:2] == [8, 32], traced  # 8 and 16 held the same peak: the batch doubled
