@@ -43,17 +43,20 @@ def largest_batch(first: Plan, script_sizes: list[int | None], trace: Callable[[
         return result
     script = sizes[0]
     traced = {script: first}
+    failed: dict[int, str] = {}  # batches whose steps did not trace (a data set smaller than the batch), and why
     guess = script // 2 if script >= 2 else 2
     for _ in range(_TRACES):
         traced[guess] = plan = trace(guess)
         if plan.steps != first.steps or plan.error is not None or plan.limit is not None:
-            result["note"] = f"the plan at batch {guess} did not trace its steps ({_why(plan)})"
-            return _with_traced(result, traced, memory)
-        guess = _next_guess(traced, memory)
+            failed[guess] = _why(plan)
+            if guess < script:  # not the batch size: the script fails at smaller batches than its own
+                result["note"] = f"the plan at batch {guess} did not trace its steps ({failed[guess]})"
+                return _with_traced(result, traced, memory, failed)
+        guess = _next_guess(traced, memory, failed)
         if guess is None:
             break
-    fitting = [batch for batch, plan in traced.items() if _needs(plan) <= memory]
-    over = [batch for batch, plan in traced.items() if _needs(plan) > memory]
+    fitting = [batch for batch, plan in traced.items() if _fits(batch, traced, memory, failed)]
+    over = [batch for batch in traced if batch not in fitting]
     result["largest"] = max(fitting, default=0)
     result["first_over"] = min(over, default=None)
     if result["first_over"] is None:
@@ -65,18 +68,28 @@ def largest_batch(first: Plan, script_sizes: list[int | None], trace: Callable[[
         result["note"] = (
             f"the search stopped after {_TRACES} traces: between {result['largest']} and {result['first_over']}"
         )
-    if result["first_over"] == 1:
+    if failed:
+        first_failed = min(failed)
+        why = f"the plan did not trace the steps at a batch of {first_failed}: {failed[first_failed]}"
+        result["note"] = why if "note" not in result else f"{why}; {result['note']}"
+    if result["first_over"] == 1 and 1 not in failed:
         result["changes"] = changes(traced[1])
-    return _with_traced(result, traced, memory)
+    return _with_traced(result, traced, memory, failed)
 
 
-def _next_guess(traced: dict[int, Plan], memory: int) -> int | None:
+def _fits(batch: int, traced: dict[int, Plan], memory: int, failed: dict[int, str]) -> bool:
+    return batch not in failed and _needs(traced[batch]) <= memory
+
+
+def _next_guess(traced: dict[int, Plan], memory: int, failed: dict[int, str]) -> int | None:
     """The next batch to trace, or None when the largest that fits is known (or cannot be: the peak not growing)."""
-    fitting = sorted(batch for batch, plan in traced.items() if _needs(plan) <= memory)
-    over = sorted(batch for batch, plan in traced.items() if _needs(plan) > memory)
+    fitting = sorted(batch for batch in traced if _fits(batch, traced, memory, failed))
+    over = sorted(batch for batch in traced if batch not in fitting)
     low, high = (fitting[-1] if fitting else 0), (over[0] if over else None)
     if high == low + 1:
         return None
+    if high in failed:  # no peak to draw a line to: halve the interval
+        return None if (low + high) // 2 in traced else (low + high) // 2
     if fitting and over:
         a, b = low, high
     else:  # all on one side: the two traces nearest the memory
@@ -95,10 +108,12 @@ def _next_guess(traced: dict[int, Plan], memory: int) -> int | None:
     return None if guess in traced else guess
 
 
-def _with_traced(result: dict[str, Any], traced: dict[int, Plan], memory: int) -> dict[str, Any]:
+def _with_traced(
+    result: dict[str, Any], traced: dict[int, Plan], memory: int, failed: dict[int, str]
+) -> dict[str, Any]:
     result["traced"] = [
-        {"batch": batch, "peak_bytes": _needs(plan) if plan.memory is not None else None,
-         "fits": plan.memory is not None and _needs(plan) <= memory}
+        {"batch": batch, "peak_bytes": None if batch in failed else _needs(plan),
+         "fits": _fits(batch, traced, memory, failed)}
         for batch, plan in sorted(traced.items())
     ]  # fmt: skip
     return result

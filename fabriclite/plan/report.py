@@ -176,7 +176,10 @@ class Plan:
         batch = self.batch
         lines = [f"micro-batch per rank (the loaders' batch size; the script's: {batch['script']})"]
         for row in batch["traced"]:
-            peak = "did not trace" if row["peak_bytes"] is None else format_bytes(row["peak_bytes"])
+            if row["peak_bytes"] is None:
+                lines.append(f"  traced at {row['batch']:<6} did not trace (below)")
+                continue
+            peak = format_bytes(row["peak_bytes"])
             lines.append(f"  traced at {row['batch']:<6} peak {peak:>12}{'' if row['fits'] else '  (does not fit)'}")
         if batch["largest"]:
             peak = next(row["peak_bytes"] for row in batch["traced"] if row["batch"] == batch["largest"])

@@ -78,3 +78,16 @@ def test_a_peak_flat_at_small_batches_is_followed_by_doubling_the_batch():
     found = largest_batch(planned(16, shuffle_then_activations), [16], trace)
     assert found["largest"] == 40 and found["first_over"] == 41, found
     assert traced[:2] == [8, 32], traced  # 8 and 16 held the same peak: the batch doubled
+
+
+def test_a_batch_the_script_cannot_run_at_bounds_the_search_and_says_why():
+    def small_data_set(batch: int) -> Plan:  # 600 samples per rank: a larger batch yields none, and the loop fails
+        plan = planned(batch, two_regimes)
+        if batch > 600:
+            plan.error, plan.steps = "UnboundLocalError: cannot access local variable 'loss'", 0
+        return plan
+
+    found = largest_batch(planned(32, two_regimes), [32], small_data_set)
+    assert 540 <= found["largest"] <= 600 and found["first_over"] <= 700, found  # out of traces before exact
+    assert "did not trace the steps at a batch of" in found["note"] and "UnboundLocalError" in found["note"]
+    assert all(row["fits"] == (row["batch"] <= 600) for row in found["traced"]), found["traced"]
