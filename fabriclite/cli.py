@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-memory",
         metavar="SIZE",
         help="The memory of one device, e.g. 80GiB or 141GB: the plan says whether rank 0's peak fits in it "
-        "(exit code 1 when it does not).",
+        "(exit code 1 when it does not), the largest micro-batch per rank that fits (tracing the script again with "
+        "its loaders' batch size changed), and what to change when not even 1 fits.",
     )
     plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object instead of text.")
     plan.set_defaults(handler=_plan, subparser=plan)

@@ -12,6 +12,8 @@ import os
 import warnings
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -300,8 +302,40 @@ def wrap_loader(
             "wrap the dataset in a torch.utils.data.DataLoader."
         )
     loader = strategy.process_dataloader(loader, use_distributed_sampler)
+    if (planned := _PLANNED_BATCH.get()) is not None:
+        loader = _with_batch_size(loader, *planned)
     loader.worker_init_fn = worker_init_function(loader.worker_init_fn, strategy.global_rank)
     return _FabricDataLoader(loader, device)
+
+
+_PLANNED_BATCH: ContextVar[tuple[int | None, list[int | None]] | None] = ContextVar("planned_batch", default=None)
+
+
+@contextmanager
+def planned_batch_size(batch_size: int | None) -> Iterator[list[int | None]]:
+    """Under ``fabriclite plan``, loaders ``fabric.setup_dataloaders`` sets up in this block batch ``batch_size``
+    samples (None: as the script says); yields the batch sizes the script gave them (None for a loader without torch's
+    ``BatchSampler``, left as it is). Usage: ``with planned_batch_size(64) as sizes: runpy.run_path(script)``."""
+    token = _PLANNED_BATCH.set((batch_size, sizes := []))
+    try:
+        yield sizes
+    finally:
+        _PLANNED_BATCH.reset(token)
+
+
+def _with_batch_size(loader: DataLoader, batch_size: int | None, sizes: list[int | None]) -> DataLoader:
+    old = loader.batch_sampler
+    sizes.append(old.batch_size if type(old) is BatchSampler else None)
+    if batch_size is None or sizes[-1] is None:
+        return loader
+    return _copy(loader, batch_size=batch_size, batch_sampler=BatchSampler(old.sampler, batch_size, old.drop_last))
+
+
+def _copy(loader: DataLoader, **attributes: Any) -> DataLoader:
+    """A copy of ``loader`` with ``attributes`` replaced (DataLoader refuses to set them once iterated)."""
+    copied = copy.copy(loader)
+    copied.__dict__.update(_iterator=None, **attributes)
+    return copied
 
 
 class _Repeat(int):
@@ -412,18 +446,14 @@ def distributed_loader(dataloader: DataLoader, num_replicas: int, rank: int, see
             "in_order=True, or make the dataset's length a multiple of the number of processes.",
             stacklevel=3,
         )
-    sharded = copy.copy(dataloader)
-    object.__setattr__(sharded, "_iterator", None)
-    object.__setattr__(sharded, "sampler", new_sampler)
     if custom:
         new_batch_sampler = copy.copy(batch_sampler)
         new_batch_sampler.sampler = new_sampler
-        object.__setattr__(sharded, "batch_sampler", new_batch_sampler)
-    elif batch_sampler is not None:
-        object.__setattr__(
-            sharded, "batch_sampler", BatchSampler(new_sampler, batch_sampler.batch_size, batch_sampler.drop_last)
-        )
-    return sharded
+        return _copy(dataloader, sampler=new_sampler, batch_sampler=new_batch_sampler)
+    if batch_sampler is not None:
+        new_batch_sampler = BatchSampler(new_sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        return _copy(dataloader, sampler=new_sampler, batch_sampler=new_batch_sampler)
+    return _copy(dataloader, sampler=new_sampler)
 
 
 def has_iterable_dataset(dataloader: object) -> bool:

@@ -235,3 +235,17 @@ PADDING_CHECKS = [
 def test_metrics_under_two_processes_drop_the_repeated_sample_whatever_the_batching():
     output = run_python(str(SCRIPTS / "metric_padding.py"), timeout=300).stdout
     assert_passed(output, PADDING_CHECKS)
+
+
+def test_under_a_planned_batch_size_loaders_batch_that_many_and_the_scripts_sizes_are_told():
+    from fabriclite.data import planned_batch_size
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    data = TensorDataset(torch.arange(100))
+    with planned_batch_size(7) as script_sizes:
+        batched, unbatched = fabric.setup_dataloaders(DataLoader(data, batch_size=4), DataLoader(data, batch_size=None))
+    assert script_sizes == [4, None]
+    assert [len(x) for (x,) in batched][:2] == [7, 7] and batched.batch_size == 7
+    with planned_batch_size(None) as script_sizes:
+        same = fabric.setup_dataloaders(DataLoader(data, batch_size=4))
+    assert script_sizes == [4] and len(next(iter(same))[0]) == 4

@@ -3,7 +3,8 @@ unchanged, as global rank 0 of the 1,024 processes it would have, in this one pr
 started: torch's fake process group, every tensor a fake one (``world.py``), the real ``Fabric``, strategy, precision
 and ``fabric.backward``, until the script's optimizers stepped twice (the second step is the steady state: its
 backward holds the optimizer's state too). Then it reports the configuration fabriclite resolved, rank 0's memory at
-the peak of the steps by kind (``memory.py``), and the error the real run would raise (``report.py``).
+the peak of the steps by kind (``memory.py``), and the error the real run would raise (``report.py``); with a device
+memory, it plans again at other batch sizes for the largest micro-batch that fits (``batch.py``).
 
 Usage::
 
@@ -25,10 +26,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from fabriclite._versions_fake import is_fake_limit
+from fabriclite.data import planned_batch_size
+from fabriclite.plan.batch import largest_batch
 from fabriclite.plan.memory import MemoryTracker
 from fabriclite.plan.report import Plan, describe, format_bytes
 from fabriclite.plan.traffic import CollectiveCounter, checkpoint_bytes
 from fabriclite.plan.world import FakeWorld, PlanStop
+from fabriclite.strategies.fsdp import without_activation_checkpointing
 
 __all__ = ["Plan", "parse_bytes", "plan_script", "format_bytes"]
 
@@ -77,22 +81,46 @@ def plan_script(
     world_size = devices * num_nodes
     variables = {"FABRICLITE_CLI_DEVICES": str(devices), "FABRICLITE_CLI_NUM_NODES": str(num_nodes), **(settings or {})}
     plan = Plan(script, world_size, devices, num_nodes, device_memory=memory)
-    tracker, counter = MemoryTracker(), CollectiveCounter()
     start = time.perf_counter()
-    world = FakeWorld(world_size, steps=steps, settings=variables, trackers=(tracker, counter))
-    with world, _script_context(script, args), warnings.catch_warnings(record=True) as caught:
+    script_sizes = _trace(plan, args, variables, steps)
+    if plan.memory is not None and "activation checkpointing" in dict(plan.configuration):
+        without = Plan(script, world_size, devices, num_nodes)
+        with without_activation_checkpointing():
+            _trace(without, args, variables, steps)
+        if without.memory is not None:
+            activations = without.memory["activations and temporaries"]
+            plan.without_checkpointing = {"peak_bytes": without.peak_bytes, "activations": activations}
+    if memory is not None and plan.memory is not None and plan.error is None and plan.limit is None:
+
+        def trace(batch_size: int) -> Plan:  # the same plan at another micro-batch
+            again = Plan(script, world_size, devices, num_nodes, device_memory=memory)
+            _trace(again, args, variables, steps, batch_size)
+            return again
+
+        plan.batch = largest_batch(plan, script_sizes, trace)
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _trace(plan: Plan, args: Sequence[str], variables: dict[str, str], steps: int, batch_size: int | None = None):
+    """Run the script once in a fake world and fill in ``plan``; with ``batch_size``, the loaders set up by
+    ``fabric.setup_dataloaders`` batch that many samples. Returns the batch sizes the script gave its loaders."""
+    tracker, counter = MemoryTracker(), CollectiveCounter()
+    world = FakeWorld(plan.world_size, steps=steps, settings=variables, trackers=(tracker, counter))
+    with world, _script_context(plan.script, args), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")  # each warning once per place, as a run shows them
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except PlanStop:
-            pass
-        except SystemExit as stop:
-            plan.exit_code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        except Exception as error:  # the script's own error, fabriclite's refusal of its configuration, or a limit
-            if is_fake_limit(error):
-                plan.limit = _explain(error)[0]
-            else:
-                plan.error, plan.error_at_setup = _explain(error)
+        with planned_batch_size(batch_size) as script_sizes:
+            try:
+                runpy.run_path(plan.script, run_name="__main__")
+            except PlanStop:
+                pass
+            except SystemExit as stop:
+                plan.exit_code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            except Exception as error:  # the script's own error, fabriclite's refusal of its configuration, or a limit
+                if is_fake_limit(error):
+                    plan.limit = _explain(error)[0]
+                else:
+                    plan.error, plan.error_at_setup = _explain(error)
         plan.steps = world.observed.steps
         plan.configuration = describe(world.observed)
         plan.reads = list(world.reads)
@@ -103,10 +131,11 @@ def plan_script(
         if plan.steps == steps:  # the last step traced whole: the steady state
             plan.collectives = counter.by_collective(step=steps - 1)
             strategy = next((o._strategy for o in world.observed.optimizers if o._strategy is not None), None)
-            plan.checkpoint = checkpoint_bytes(world.observed.modules, world.observed.optimizers, strategy, world_size)
+            plan.checkpoint = checkpoint_bytes(
+                world.observed.modules, world.observed.optimizers, strategy, plan.world_size
+            )
         plan.setup_peak_bytes = tracker.setup_peak
-    plan.seconds = time.perf_counter() - start
-    return plan
+    return script_sizes
 
 
 class _script_context:  # noqa: N801 - used as a context manager, named like one

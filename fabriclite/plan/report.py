@@ -18,7 +18,6 @@ from fabriclite.plan.memory import KINDS
 
 # Figures the issue asks for that no plan computes yet, and why: printed as such, never as numbers.
 NOT_ESTIMATED = (
-    ("the largest micro-batch that fits --device-memory", "not searched yet: plan again with another batch size"),
     ("other kinds of rank (tensor-parallel positions, the last rank of an uneven split)", "only rank 0 is planned"),
     ("torch.compile, Fabric(kernels=True)", "planned as eager torch ops: compiled kernels may keep less"),
     (
@@ -64,6 +63,9 @@ class Plan:
     collectives: list[dict[str, Any]] | None = None  # traffic.CollectiveCounter.by_collective of the last step
     checkpoint: dict[str, Any] | None = None  # traffic.checkpoint_bytes: {"sharded", "total", "rank0"}
     warnings: list[str] = field(default_factory=list)  # "UserWarning: message", each once, as the run shows them
+    batch: dict[str, Any] | None = None  # batch.largest_batch: the largest micro-batch that fits device_memory
+    # Where the script checkpoints activations, the plan traced again without: {"peak_bytes", "activations"}.
+    without_checkpointing: dict[str, int] | None = None
     seconds: float = 0.0
 
     @property
@@ -94,6 +96,8 @@ class Plan:
             "checkpoint": self.checkpoint,
             "values_read": [read.where for read in self.reads],
             "warnings": self.warnings,
+            "batch": self.batch,
+            "without_activation_checkpointing": self.without_checkpointing,
             "not_estimated": dict(NOT_ESTIMATED),
             "seconds": round(self.seconds, 2),
             "ok": self.ok,
@@ -125,6 +129,7 @@ class Plan:
             lines += [f"  {name:<{width}}  {value}" for name, value in self.configuration]
             lines.append("")
         lines += self._memory_lines()
+        lines += self._batch_lines()
         lines += self._traffic_lines()
         if self.warnings:
             lines.append("warnings the run shows")
@@ -148,6 +153,12 @@ class Plan:
         lines = [f"memory of rank 0 at the peak of the steps: {format_bytes(self.peak_bytes)}"]
         for kind in KINDS:
             lines.append(f"  {kind:<28} {format_bytes(self.memory[kind]):>12}")
+        if self.without_checkpointing is not None:
+            lines.append(
+                f"  (without activation checkpointing: activations and temporaries "
+                f"{format_bytes(self.without_checkpointing['activations'])}, a peak of "
+                f"{format_bytes(self.without_checkpointing['peak_bytes'])})"
+            )
         lines.append(f"  (peak while building and setting up the model: {format_bytes(self.setup_peak_bytes)})")
         if self.device_memory is not None:
             peak = max(self.peak_bytes, self.setup_peak_bytes)
@@ -156,6 +167,31 @@ class Plan:
                 f"fits, {format_bytes(left)} to spare" if left >= 0 else f"does NOT fit: {format_bytes(-left)} over"
             )
             lines.append(f"  device memory {format_bytes(self.device_memory)}: {verdict}")
+        lines.append("")
+        return lines
+
+    def _batch_lines(self) -> list[str]:
+        if self.batch is None:
+            return []
+        batch = self.batch
+        lines = [f"micro-batch per rank (the loaders' batch size; the script's: {batch['script']})"]
+        for row in batch["traced"]:
+            if row["peak_bytes"] is None:
+                lines.append(f"  traced at {row['batch']:<6} did not trace (below)")
+                continue
+            peak = format_bytes(row["peak_bytes"])
+            lines.append(f"  traced at {row['batch']:<6} peak {peak:>12}{'' if row['fits'] else '  (does not fit)'}")
+        if batch["largest"]:
+            peak = next(row["peak_bytes"] for row in batch["traced"] if row["batch"] == batch["largest"])
+            lines.append(
+                f"  largest that fits {format_bytes(self.device_memory)}: {batch['largest']} "
+                f"(traced: peak {format_bytes(peak)})"
+            )
+        elif batch["largest"] == 0 and batch["changes"]:
+            lines.append(f"  not even batch 1 fits {format_bytes(self.device_memory)}; what to change:")
+            lines += [f"    - {change}" for change in batch["changes"]]
+        if batch.get("note"):
+            lines.append(f"  {batch['note']}")
         lines.append("")
         return lines
 
@@ -213,6 +249,9 @@ def _strategy_lines(strategy: Any) -> list[tuple[str, str]]:
     if mesh is not None:
         names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
         lines.append(("device mesh", " x ".join(f"{name} {size}" for name, size in zip(names, mesh.shape))))
+    policy = getattr(strategy, "checkpoint_policy", None)
+    if policy is not None:
+        lines.append(("activation checkpointing", f"activation_checkpointing_policy={_policy(policy.policy)}"))
     if hasattr(strategy, "reshard_after_forward"):
         sharding = {"flat": "over every rank", "hybrid": "within a group, replicated across", "replicate": "none"}
         lines.append(
@@ -274,6 +313,14 @@ def _model_lines(wrapped: Any, name: str) -> list[tuple[str, str]]:
     if grads:
         lines.append((f"{name} gradients", _dtypes(grads)))
     return lines
+
+
+def _policy(policy: Any) -> str:
+    """A policy as the script wrote it: ``{Block}`` for a set of classes, else its repr."""
+    if isinstance(policy, (set, frozenset, list, tuple)) and all(isinstance(c, type) for c in policy):
+        names = sorted(c.__name__ for c in policy)
+        return f"{{{', '.join(names)}}}" if isinstance(policy, (set, frozenset)) else f"[{', '.join(names)}]"
+    return repr(policy)
 
 
 def _user_class(module: Any) -> str:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
@@ -201,7 +202,9 @@ class FSDPStrategy(ParallelStrategy):
 
     def _shard(self, module: nn.Module) -> nn.Module:
         # Activation checkpointing, then one fully_shard per unit (innermost first), then the root.
-        checkpointed = {} if self.checkpoint_policy is None else self.checkpoint_policy.select(module)
+        checkpointed = {}
+        if self.checkpoint_policy is not None and _CHECKPOINTING.get():
+            checkpointed = self.checkpoint_policy.select(module)
         units = (
             dict.fromkeys(repeated_blocks(module), {}) if self.wrap_policy is None else self.wrap_policy.select(module)
         )
@@ -333,6 +336,22 @@ def _unit_options(overrides: dict[str, Any], policy: Any, mesh_kind: str) -> dic
                 f"{', '.join(FSDP1_IGNORED)}). cpu_offload applies to the whole model: set it on FSDPStrategy."
             )
     return options
+
+
+# False while ``fabriclite plan`` traces a script without the activation checkpointing it sets.
+_CHECKPOINTING: ContextVar[bool] = ContextVar("activation_checkpointing", default=True)
+
+
+@contextmanager
+def without_activation_checkpointing() -> Iterator[None]:
+    """FSDP strategies set up in this block checkpoint no activations, whatever their policy: ``fabriclite plan``
+    shows the activations a script's ``activation_checkpointing_policy`` saves. Usage: ``with
+    without_activation_checkpointing(): runpy.run_path(script)``."""
+    token = _CHECKPOINTING.set(False)
+    try:
+        yield
+    finally:
+        _CHECKPOINTING.reset(token)
 
 
 # The composable checkpoint's own options, which a CustomPolicy for activation_checkpointing_policy may return

@@ -12,12 +12,16 @@ Second, the tensors alive, counted as the plan counts them (``fabriclite.plan.me
 real tensors of the real run: each storage an op returns, from its creation until it is freed. The issue's measure
 where torch has no allocator counters (the CPU); it repeats from run to run.
 
+Also the peak of the tensors alive from the first forward of a module on (``stepping``): the plan's peak of the
+steps, which leaves out building and setting up the model.
+
 Third, what this rank handed to each collective in the second step, as gloo records its work for the profiler
 (``gloo:all_reduce`` and the like, with the shapes and dtypes of the tensors handed in): gloo has no reduce-scatter
 of its own and all-reduces the whole input instead.
 
 Usage: ``fabriclite run --accelerator cpu --devices 2 tests/scripts/measure_memory.py examples/gpt/train.py --quick``
-prints ``MEASURED <rank> <peak bytes> steps <steps> alive <peak bytes of tensors alive>`` on each rank, and
+prints ``MEASURED <rank> <peak bytes> steps <steps> alive <peak bytes of tensors alive> stepping <the same from the
+first forward on>`` on each rank, and
 ``SENT <rank> <collective> <bytes handed in during step 2>`` for each collective gloo ran in that step.
 """
 
@@ -26,6 +30,7 @@ import os
 import runpy
 import sys
 
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -53,9 +58,15 @@ def main() -> None:
     register_optimizer_step_post_hook(count)
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    alive = MemoryTracker()
+    alive, stepping = MemoryTracker(), MemoryTracker()
     alive.stepping = True  # one peak from the start, as the profiler's
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof, alive:
+
+    def first_forward(module, args):
+        if not stepping.stepping:
+            stepping.on_first_forward(module)
+
+    register_module_forward_pre_hook(first_forward)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof, alive, stepping:
         try:
             runpy.run_path(script, run_name="__main__")
         except Stop:
@@ -67,7 +78,7 @@ def main() -> None:
         live += event.nbytes()
         peak = max(peak, live)
     rank = os.environ.get("RANK", "0")
-    print(f"MEASURED {rank} {peak} steps {done[0]} alive {alive.step_peak}", flush=True)
+    print(f"MEASURED {rank} {peak} steps {done[0]} alive {alive.step_peak} stepping {stepping.step_peak}", flush=True)
     ends = {e.name(): e.start_ns() for e in everything if e.name().startswith("measure: step")}
     first, last = ends.get("measure: step 1 ends", 0), ends.get(f"measure: step {STEPS} ends", 0)
     sent: dict[str, int] = {}
