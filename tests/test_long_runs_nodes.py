@@ -109,8 +109,10 @@ class TwoNodes:
         return "\n".join(self.outputs)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_across_nodes_a_rank_sigkilled_mid_run_restarts_every_node_and_ends_bit_identical(tmp_path, strategy):
+def test_across_nodes_a_rank_sigkilled_mid_run_restarts_every_node_and_ends_bit_identical(tmp_path):
+    # FSDP only: the restart across nodes does not depend on the strategy, and FSDP's sharded checkpoint is the harder
+    # resume (DDP's killed-and-resumed run is tests/test_long_runs.py's, on one machine).
+    strategy = "fsdp"
     reference = TwoNodes(tmp_path, "ref", strategy=strategy)
     assert reference.finish() == [0, 0], reference.both[-6000:]
     expected = torch.load(reference.out)

@@ -45,9 +45,7 @@ def folder(pins: list[str]) -> Path:
 def built_here(venv: Path) -> bool:
     """Whether a folder is an environment this tool built: a virtual environment, or what a removal cut short by an
     older version of this tool left of one (rmtree took pyvenv.cfg first, then bin/ and lib/pythonX.Y/ stayed)."""
-    return (venv / "pyvenv.cfg").exists() or (
-        (venv / "bin").is_dir() and any(venv.glob("lib/python3*/site-packages"))
-    )
+    return (venv / "pyvenv.cfg").exists() or ((venv / "bin").is_dir() and any(venv.glob("lib/python3*/site-packages")))
 
 
 def remove(venv: Path) -> None:
@@ -133,7 +131,12 @@ def run_tests(pins: list[str]) -> tuple[bool, str]:
             "VIRTUAL_ENV": str(venv),
         }
         # -rfEsp: the summary names every test and its outcome, so the log says which torch ran which test.
-        command = [str(python), "-m", "pytest", *f"-m {MARK} -n 2 --dist loadfile -p no:cacheprovider -rfEsp".split()]
+        command = [
+            str(python),
+            "-m",
+            "pytest",
+            *f"-m {MARK} -n 2 --dist loadfile -p no:cacheprovider -rfEsp --durations=15".split(),
+        ]
         child = subprocess.Popen([*command, *files], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         closing = ""
         for line in child.stdout:
