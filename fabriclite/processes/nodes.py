@@ -152,8 +152,11 @@ class NodeRun:
                 say(f"this node is refused: {error}.")
                 return error.code
             self.agent = _agent(self, handler, logs)
-            code = self._exit_code(self._run_agent())
-            self._leave()
+            outcome = self._run_agent()
+            code = self._exit_code(outcome)
+            # After a rendezvous that timed out, the nodes it missed are gone or never came: none to wait for.
+            if type(outcome).__name__ != "RendezvousTimeoutError":
+                self._leave()
             return code
         finally:
             for signum, before in previous.items():
