@@ -75,3 +75,30 @@ def test_a_kernel_launch_goes_into_a_graph_only_while_compile_traces_it():
     assert traced_triton_launch(fake)
     with set_wrap_triton_enabled(False):  # what a triton_op's eager call does
         assert not traced_triton_launch(fake)
+
+
+COUNTED = """
+import torch, torch.distributed as dist
+from fabriclite import Fabric
+from fabriclite._versions import collective_count
+
+fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()
+calls, world = fabric.strategy.calls_group, dist.group.WORLD
+before = collective_count(calls), collective_count(world)
+fabric.barrier()
+fabric.all_reduce(torch.ones(1))
+dist.all_reduce(torch.ones(1))
+print("COUNTED", fabric.global_rank, collective_count(calls) - before[0], collective_count(world) - before[1])
+"""
+
+
+def test_the_collectives_each_rank_issued_are_counted_per_group_as_the_watchdog_reads_them(tmp_path):
+    # The watchdog proves a call some ranks skipped from these counts: on every torch CI tests, each group counts
+    # its own collectives (Fabric's calls on the calls group, the training's on the default one).
+    script = tmp_path / "counted.py"
+    script.write_text(COUNTED)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=python_env(), timeout=240
+    ).stdout
+    assert sorted(re.findall(r"COUNTED (\d) (\d+) (\d+)", out)) == [("0", "2", "1"), ("1", "2", "1")], out
