@@ -73,13 +73,32 @@ def unknown_value(tensor: Any) -> bool:
     return is_fake(tensor) and inner_tensor(tensor).constant is None
 
 
-def fake_process_group(world_size: int) -> None:
-    """Join torch's fake process group as rank 0 of ``world_size`` (no store, no peers; an all-gather hands every
-    slot this rank's data, so object collectives see rank 0's object everywhere). Usage: ``fake_process_group(1024)``."""
+def fake_process_group(world_size: int, rank: int = 0) -> None:
+    """Join torch's fake process group as ``rank`` of ``world_size`` (no store, no peers; an all-gather hands every
+    slot this rank's data, so object collectives see this rank's object everywhere).
+    Usage: ``fake_process_group(1024, rank=1023)``."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend on 2.8-2.15
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def forget_sharding_specs() -> None:
+    """Empty DTensor's caches of output specs. They are keyed by device meshes, which compare equal whatever rank
+    made them, so the specs of one plan (one rank) would hand its mesh, and its rank's coordinate, to the next plan
+    in the same process. Usage: before planning another rank."""
+    from torch.distributed.tensor import debug
+
+    debug._clear_sharding_prop_cache()  # torch's own test helper; the Python cache and C++'s fast path (2.8-2.15)
+
+
+def local_shape(global_shape: Any, mesh_shape: Any, coordinate: list[int], placements: Any) -> tuple[int, ...]:
+    """The shape of the shard a DTensor of ``global_shape`` has at ``coordinate`` of a mesh of ``mesh_shape``
+    under ``placements``, as DTensor computes it for its own rank (torch's private helper, the same four leading
+    arguments in 2.8 to 2.15). Usage: ``local_shape((10, 4), (4,), [3], [Shard(0)])`` -> ``(1, 4)``."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return tuple(_compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)[0])
 
 
 def torch_dispatch_mode() -> type:

@@ -1,5 +1,5 @@
 """The ``fabriclite`` command line: ``fabriclite run`` starts a script on several processes or nodes,
-``fabriclite plan`` dry-runs it as rank 0 of the world it would have (``fabriclite.plan``), ``fabriclite
+``fabriclite plan`` dry-runs it as one rank (0 unless told) of the world it would have (``fabriclite.plan``), ``fabriclite
 consolidate`` merges a sharded checkpoint into one file, and ``fabriclite plot`` draws the metrics of CSVLogger runs
 side by side.
 
@@ -108,11 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan",
-        help="Dry-run a script as rank 0 of the run it would be: configuration, errors, memory per rank.",
-        description="Run SCRIPT unchanged as global rank 0 of devices x num_nodes processes, in this one process, "
+        help="Dry-run a script as one rank of the run it would be: configuration, errors, memory per rank.",
+        description="Run SCRIPT unchanged as global rank 0 (or --rank) of devices x num_nodes processes, in this "
+        "one process, "
         "on fake tensors and torch's fake process group (no GPU, nothing started), through its first two "
         "optimizer steps; print the configuration fabriclite resolved, the error the real run would raise, and "
-        "rank 0's peak memory split into parameters, gradients, optimizer state and activations. docs/plan.md.",
+        "the rank's peak memory split into parameters, gradients, optimizer state and activations. docs/plan.md.",
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -120,11 +121,28 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--device-memory",
         metavar="SIZE",
-        help="The memory of one device, e.g. 80GiB or 141GB: the plan says whether rank 0's peak fits in it "
+        help="The memory of one device, e.g. 80GiB or 141GB: the plan says whether the rank's peak fits in it "
         "(exit code 1 when it does not), the largest micro-batch per rank that fits (tracing the script again with "
         "its loaders' batch size changed), and what to change when not even 1 fits.",
     )
-    plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object instead of text.")
+    plan.add_argument(
+        "--rank",
+        metavar="N",
+        help="The global rank to plan as (default 0). The report lists the kinds of rank, ranks whose shards of "
+        "the model differ (the last ranks of an uneven split, tensor-parallel positions); plan one of each.",
+    )
+    plan.add_argument(
+        "--every-kind",
+        action="store_true",
+        help="Then plan the lowest rank of each other kind of rank too, one plan each (as long as the first), and "
+        "print them all: exit code 0 only when every kind fits.",
+    )
+    plan.add_argument(
+        "--json",
+        action="store_true",
+        help="Print the plan as one JSON object instead of text (with --every-kind, the other kinds' plans under "
+        '"other_kinds").',
+    )
     plan.set_defaults(handler=_plan, subparser=plan)
 
     consolidate = commands.add_parser(
@@ -334,6 +352,12 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             raise ValueError(f"devices={devices!r}: a plan needs a count of processes per node, e.g. --devices 8.")
         num_nodes = settings.pop("num_nodes", 1)
         memory = None if args.device_memory is None else parse_bytes(args.device_memory)
+        rank = args.rank or "0"
+        if not rank.isdigit() or int(rank) >= devices * num_nodes:
+            raise ValueError(
+                f"--rank {rank}: expected a global rank of the {devices} x {num_nodes} processes planned, "
+                f"0 to {devices * num_nodes - 1}."
+            )
         if args.script is None:
             raise ValueError(
                 "no script to plan: name it after the options, e.g. `fabriclite plan --devices 8 train.py`."
@@ -346,14 +370,23 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         del os.environ[name]  # a plan inside a run must not inherit the run's settings
     # With --json, what the script prints goes to stderr: stdout carries the JSON object alone.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        plan = plan_script(args.script, args.script_args, devices, num_nodes, memory, fabric_environment(settings))
+        environment = fabric_environment(settings)
+        plans = [plan_script(args.script, args.script_args, devices, num_nodes, memory, environment, rank=int(rank))]
+        others = [kind["ranks"][0] for kind in plans[0].kinds or () if int(rank) not in kind["ranks"]]
+        for other in others if args.every_kind else ():
+            plans.append(
+                plan_script(args.script, args.script_args, devices, num_nodes, memory, environment, rank=other)
+            )
     if args.json:
         import json
 
-        print(json.dumps(plan.to_dict()))
+        found = plans[0].to_dict()
+        if args.every_kind:
+            found["other_kinds"] = [plan.to_dict() for plan in plans[1:]]
+        print(json.dumps(found))
     else:
-        print(plan.format())
-    return 0 if plan.ok else 1
+        print("\n\n".join(plan.format() for plan in plans))
+    return 0 if all(plan.ok for plan in plans) else 1
 
 
 def _consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

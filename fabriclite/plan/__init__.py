@@ -1,10 +1,11 @@
 """Plan a run before launching it: ``fabriclite plan --devices 8 --num-nodes 128 train.py ...`` runs the script,
-unchanged, as global rank 0 of the 1,024 processes it would have, in this one process, with no GPU and nobody else
+unchanged, as global rank 0 (or ``--rank N``) of the 1,024 processes it would have, in this one process, with no GPU and nobody else
 started: torch's fake process group, every tensor a fake one (``world.py``), the real ``Fabric``, strategy, precision
 and ``fabric.backward``, until the script's optimizers stepped twice (the second step is the steady state: its
-backward holds the optimizer's state too). Then it reports the configuration fabriclite resolved, rank 0's memory at
-the peak of the steps by kind (``memory.py``), and the error the real run would raise (``report.py``); with a device
-memory, it plans again at other batch sizes for the largest micro-batch that fits (``batch.py``).
+backward holds the optimizer's state too). Then it reports the configuration fabriclite resolved, the rank's memory
+at the peak of the steps by kind (``memory.py``), the kinds of rank whose shards differ (``ranks.py``), and the
+error the real run would raise (``report.py``); with a device memory, it plans again at other batch sizes for the
+largest micro-batch that fits (``batch.py``).
 
 Usage::
 
@@ -25,10 +26,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from fabriclite._versions_fake import is_fake_limit
+from fabriclite._versions_fake import forget_sharding_specs, is_fake_limit
 from fabriclite.data import planned_batch_size
 from fabriclite.plan.batch import largest_batch
 from fabriclite.plan.memory import MemoryTracker
+from fabriclite.plan.ranks import rank_kinds, shards_of
 from fabriclite.plan.report import Plan, describe, format_bytes
 from fabriclite.plan.traffic import CollectiveCounter, checkpoint_bytes
 from fabriclite.plan.world import FakeWorld, PlanStop
@@ -64,9 +66,10 @@ def plan_script(
     device_memory: str | int | None = None,
     settings: dict[str, str] | None = None,
     steps: int = 2,
+    rank: int = 0,
 ) -> Plan:
-    """Run ``script`` with ``args`` as rank 0 of ``devices * num_nodes`` processes on fake tensors, stop it after
-    ``steps`` optimizer steps, and return what was found. ``settings`` are more ``FABRICLITE_CLI_*`` variables for
+    """Run ``script`` with ``args`` as global ``rank`` of ``devices * num_nodes`` processes on fake tensors, stop
+    it after ``steps`` optimizer steps, and return what was found. ``settings`` are more ``FABRICLITE_CLI_*`` variables for
     the script's ``Fabric()`` (accelerator, strategy, precision), as ``fabriclite run`` exports them.
 
     Usage: ``print(plan_script("train.py", ["--strategy", "fsdp"], devices=8, num_nodes=128).format())``.
@@ -74,17 +77,22 @@ def plan_script(
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a whole number >= 1.")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < devices * num_nodes:
+        raise ValueError(
+            f"rank={rank!r} is not a rank of {devices} x {num_nodes} processes: expected 0 to "
+            f"{devices * num_nodes - 1}."
+        )
     script = os.fspath(script)
     if not os.path.isfile(script):
         raise ValueError(f"script {script!r} does not exist (relative paths start at {os.getcwd()}).")
     memory = None if device_memory is None else parse_bytes(device_memory)
     world_size = devices * num_nodes
     variables = {"FABRICLITE_CLI_DEVICES": str(devices), "FABRICLITE_CLI_NUM_NODES": str(num_nodes), **(settings or {})}
-    plan = Plan(script, world_size, devices, num_nodes, device_memory=memory)
+    plan = Plan(script, world_size, devices, num_nodes, rank, device_memory=memory)
     start = time.perf_counter()
     script_sizes = _trace(plan, args, variables, steps)
     if plan.memory is not None and "activation checkpointing" in dict(plan.configuration):
-        without = Plan(script, world_size, devices, num_nodes)
+        without = Plan(script, world_size, devices, num_nodes, rank)
         with without_activation_checkpointing():
             _trace(without, args, variables, steps)
         if without.memory is not None:
@@ -93,7 +101,7 @@ def plan_script(
     if memory is not None and plan.memory is not None and plan.error is None and plan.limit is None:
 
         def trace(batch_size: int) -> Plan:  # the same plan at another micro-batch
-            again = Plan(script, world_size, devices, num_nodes, device_memory=memory)
+            again = Plan(script, world_size, devices, num_nodes, rank, device_memory=memory)
             _trace(again, args, variables, steps, batch_size)
             return again
 
@@ -106,7 +114,9 @@ def _trace(plan: Plan, args: Sequence[str], variables: dict[str, str], steps: in
     """Run the script once in a fake world and fill in ``plan``; with ``batch_size``, the loaders set up by
     ``fabric.setup_dataloaders`` batch that many samples. Returns the batch sizes the script gave its loaders."""
     tracker, counter = MemoryTracker(), CollectiveCounter()
-    world = FakeWorld(plan.world_size, steps=steps, settings=variables, trackers=(tracker, counter))
+    forget_sharding_specs()  # a plan before this one in this process may have been another rank's
+    shards = None
+    world = FakeWorld(plan.world_size, steps=steps, settings=variables, trackers=(tracker, counter), rank=plan.rank)
     with world, _script_context(plan.script, args), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")  # each warning once per place, as a run shows them
         with planned_batch_size(batch_size) as script_sizes:
@@ -132,9 +142,13 @@ def _trace(plan: Plan, args: Sequence[str], variables: dict[str, str], steps: in
             plan.collectives = counter.by_collective(step=steps - 1)
             strategy = next((o._strategy for o in world.observed.optimizers if o._strategy is not None), None)
             plan.checkpoint = checkpoint_bytes(
-                world.observed.modules, world.observed.optimizers, strategy, plan.world_size
+                world.observed.modules, world.observed.optimizers, strategy, plan.world_size, plan.rank
             )
         plan.setup_peak_bytes = tracker.setup_peak
+        if world.observed.modules:
+            shards = shards_of(world.observed.modules)
+    if shards is not None:
+        plan.kinds = rank_kinds(shards, plan.world_size, plan.rank)
     return script_sizes
 
 

@@ -1,5 +1,5 @@
 """What a plan found, as a ``Plan``: the configuration fabriclite resolved (read off the objects the script's
-``Fabric`` built), the memory of rank 0 (``memory.MemoryTracker``), the error the run would raise, the values the
+``Fabric`` built), the memory of the planned rank (``memory.MemoryTracker``), the kinds of rank (``ranks.py``), the error the run would raise, the values the
 script read from fake tensors, and what the plan does not estimate yet. ``Plan.format()`` is what ``fabriclite plan``
 prints.
 
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from fabriclite.plan.memory import KINDS
+from fabriclite.plan.ranks import rank_ranges
 
 # Figures the issue asks for that no plan computes yet, and why: printed as such, never as numbers.
 NOT_ESTIMATED = (
-    ("other kinds of rank (tensor-parallel positions, the last rank of an uneven split)", "only rank 0 is planned"),
     ("torch.compile, Fabric(kernels=True)", "planned as eager torch ops: compiled kernels may keep less"),
     (
         "collectives DTensor runs inside an op (partial norms while clipping, redistributing an op's input)",
@@ -43,12 +43,14 @@ def format_bytes(n: float) -> str:
 
 @dataclass
 class Plan:
-    """The outcome of planning one script for one world (``world_size`` = devices x num_nodes), seen from rank 0."""
+    """The outcome of planning one script for one world (``world_size`` = devices x num_nodes), seen from one
+    global ``rank``."""
 
     script: str
     world_size: int
     devices: int
     num_nodes: int
+    rank: int = 0
     steps: int = 0  # optimizer steps traced
     configuration: list[tuple[str, str]] = field(default_factory=list)
     memory: dict[str, int] | None = None  # bytes per kind at the peak of the steps (None: no step ran)
@@ -61,11 +63,12 @@ class Plan:
     exit_code: int | None = None  # the script called sys.exit(code) before the plan's end
     reads: list[Any] = field(default_factory=list)
     collectives: list[dict[str, Any]] | None = None  # traffic.CollectiveCounter.by_collective of the last step
-    checkpoint: dict[str, Any] | None = None  # traffic.checkpoint_bytes: {"sharded", "total", "rank0"}
+    checkpoint: dict[str, Any] | None = None  # traffic.checkpoint_bytes: {"sharded", "total", "rank"}
     warnings: list[str] = field(default_factory=list)  # "UserWarning: message", each once, as the run shows them
     batch: dict[str, Any] | None = None  # batch.largest_batch: the largest micro-batch that fits device_memory
     # Where the script checkpoints activations, the plan traced again without: {"peak_bytes", "activations"}.
     without_checkpointing: dict[str, int] | None = None
+    kinds: list[dict[str, Any]] | None = None  # ranks.rank_kinds: ranks holding shards of the same shapes
     seconds: float = 0.0
 
     @property
@@ -82,6 +85,7 @@ class Plan:
             "world_size": self.world_size,
             "devices": self.devices,
             "num_nodes": self.num_nodes,
+            "rank": self.rank,
             "steps": self.steps,
             "configuration": dict(self.configuration),
             "memory": self.memory,
@@ -98,6 +102,7 @@ class Plan:
             "warnings": self.warnings,
             "batch": self.batch,
             "without_activation_checkpointing": self.without_checkpointing,
+            "kinds_of_rank": self.kinds,
             "not_estimated": dict(NOT_ESTIMATED),
             "seconds": round(self.seconds, 2),
             "ok": self.ok,
@@ -106,7 +111,7 @@ class Plan:
     def format(self) -> str:
         """The report ``fabriclite plan`` prints."""
         lines = [
-            f"fabriclite plan: {self.script} as rank 0 of {self.world_size} processes "
+            f"fabriclite plan: {self.script} as rank {self.rank} of {self.world_size} processes "
             f"({self.devices} per node x {self.num_nodes} node{'s' if self.num_nodes > 1 else ''}), "
             f"{self.steps} optimizer step{'s' if self.steps != 1 else ''} traced on fake tensors in {self.seconds:.1f} s",
             "",
@@ -129,6 +134,7 @@ class Plan:
             lines += [f"  {name:<{width}}  {value}" for name, value in self.configuration]
             lines.append("")
         lines += self._memory_lines()
+        lines += self._kind_lines()
         lines += self._batch_lines()
         lines += self._traffic_lines()
         if self.warnings:
@@ -150,7 +156,7 @@ class Plan:
     def _memory_lines(self) -> list[str]:
         if self.memory is None:
             return ["memory per rank: not estimated (no optimizer step ran)", ""]
-        lines = [f"memory of rank 0 at the peak of the steps: {format_bytes(self.peak_bytes)}"]
+        lines = [f"memory of rank {self.rank} at the peak of the steps: {format_bytes(self.peak_bytes)}"]
         for kind in KINDS:
             lines.append(f"  {kind:<28} {format_bytes(self.memory[kind]):>12}")
         if self.without_checkpointing is not None:
@@ -168,6 +174,32 @@ class Plan:
             )
             lines.append(f"  device memory {format_bytes(self.device_memory)}: {verdict}")
         lines.append("")
+        return lines
+
+    def _kind_lines(self) -> list[str]:
+        if self.kinds is None:
+            if self.memory is None:
+                return []
+            return ["kinds of rank: not told apart (a mesh does not tile the world as this plan can follow)", ""]
+        if len(self.kinds) == 1:
+            return [f"kinds of rank: one; every rank holds shards of the same shapes as rank {self.rank}", ""]
+        lines = [
+            f"kinds of rank: {len(self.kinds)} (ranks holding shards of the same shapes run the same ops on the "
+            "same shapes; a kind differs where a dimension does not divide by the ranks sharding it)"
+        ]
+        for kind in self.kinds:
+            ranks = kind["ranks"]
+            if self.rank in ranks:
+                note = "planned here"
+            else:
+                note = "; ".join(f"{name} {list(its)}, not {list(mine)}" for name, its, mine in kind["differs"])
+            count = f"{len(ranks):,} rank{'s' if len(ranks) > 1 else ''}"
+            lines.append(
+                f"  rank{'s' if len(ranks) > 1 else ' '} {rank_ranges(ranks):<18} {count:>12}  "
+                f"{kind['holds']:>15,} parameters  {note}"
+            )
+        other = next(kind["ranks"][0] for kind in self.kinds if self.rank not in kind["ranks"])
+        lines += [f"  plan another kind as it is: fabriclite plan --rank {other} ... (the same options)", ""]
         return lines
 
     def _batch_lines(self) -> list[str]:
@@ -201,7 +233,9 @@ class Plan:
                 "collectives per step, checkpoint size: not estimated (the plan did not trace its last step whole)",
                 "",
             ]
-        lines = [f"collectives of rank 0 in step {self.steps} (bytes handed in; sent: on the wire over a ring)"]
+        lines = [
+            f"collectives of rank {self.rank} in step {self.steps} (bytes handed in; sent: on the wire over a ring)"
+        ]
         if not self.collectives:
             lines.append("  none")
         for row in self.collectives:
@@ -214,7 +248,7 @@ class Plan:
         lines += [
             "",
             f"checkpoint of the models and optimizers ({kind}): {format_bytes(self.checkpoint['total'])} of tensors "
-            f"in all, {format_bytes(self.checkpoint['rank0'])} written by rank 0",
+            f"in all, {format_bytes(self.checkpoint['rank'])} written by rank {self.rank}",
             "",
         ]
         return lines

@@ -111,8 +111,11 @@ class CollectiveCounter(torch_dispatch_mode()):
         return sorted(rows, key=lambda row: -row["bytes_in"])
 
 
-def checkpoint_bytes(modules: list[Any], optimizers: list[Any], strategy: Any, world_size: int) -> dict[str, Any]:
-    """The tensor bytes ``fabric.save({"model": ..., "optimizer": ...})`` writes: in all, and by rank 0."""
+def checkpoint_bytes(
+    modules: list[Any], optimizers: list[Any], strategy: Any, world_size: int, rank: int = 0
+) -> dict[str, Any]:
+    """The tensor bytes ``fabric.save({"model": ..., "optimizer": ...})`` writes: in all, and by this process,
+    global ``rank`` (a full checkpoint is rank 0's to write)."""
     sharded = getattr(strategy, "state_dict_type", "full") == "sharded"
     tensors: list[torch.Tensor] = []
     for wrapped in modules:
@@ -120,13 +123,13 @@ def checkpoint_bytes(modules: list[Any], optimizers: list[Any], strategy: Any, w
         tensors += [t for t in module.state_dict().values() if isinstance(t, torch.Tensor)]
     for wrapped in optimizers:
         tensors += tensors_in(list(wrapped.optimizer.state.values()))
-    total = rank0 = 0
+    total = mine = 0
     for tensor in tensors:
         whole = tensor.numel() * tensor.element_size()  # a DTensor's numel is the whole tensor's
         local, copies = _local_and_copies(tensor, world_size)
         total += whole
-        rank0 += local / copies if sharded else whole
-    return {"sharded": sharded, "total": total, "rank0": int(rank0)}
+        mine += local / copies if sharded else (whole if rank == 0 else 0)
+    return {"sharded": sharded, "total": total, "rank": int(mine)}
 
 
 def _local_and_copies(tensor: torch.Tensor, world_size: int) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""The pretend world a plan runs a script in: this process is global rank 0 of ``devices * num_nodes`` processes
-that do not exist. Nothing is started and nothing is sent: the process group is torch's fake one (every collective
+"""The pretend world a plan runs a script in: this process is one global rank (0 unless told) of ``devices *
+num_nodes`` processes, the others of which do not exist. Nothing is started and nothing is sent: the process group is torch's fake one (every collective
 returns at once, an all-gather hands each rank's slot this rank's data), every tensor the script makes is a fake
 tensor (shape, dtype and device, no memory, ``FakeTensorMode``), and the script stops once its optimizers stepped
 ``steps`` times (``PlanStop``).
@@ -153,8 +153,9 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
 
 
 class FakeWorld:
-    """Rank 0 of ``world_size`` pretend processes on a fake process group, under ``FakeTensorMode``; stops the script with ``PlanStop`` after ``steps`` optimizer steps. ``settings`` are
-    ``FABRICLITE_CLI_*`` variables for the script's ``Fabric()``, as ``fabriclite run`` exports them.
+    """Global ``rank`` of ``world_size`` pretend processes on a fake process group, under ``FakeTensorMode``; stops
+    the script with ``PlanStop`` after ``steps`` optimizer steps. ``settings`` are ``FABRICLITE_CLI_*`` variables for
+    the script's ``Fabric()``, as ``fabriclite run`` exports them (its devices per node place the rank on a node).
 
     While it runs: ``observed`` (the set-up models and optimizers), ``reads`` (values read from fake tensors);
     ``trackers`` are extra dispatch modes entered above the fake mode (the memory tracker).
@@ -166,14 +167,17 @@ class FakeWorld:
         steps: int = 2,
         settings: dict[str, str] | None = None,
         trackers: tuple[Any, ...] = (),
+        rank: int = 0,
     ) -> None:
         if dist.is_available() and dist.is_initialized():
             raise RuntimeError(
-                "fabriclite plan runs the script as rank 0 of a pretend world on a process group of its own, but this "
+                "fabriclite plan runs the script as one rank of a pretend world on a process group of its own, but this "
                 "process has one already. Plan from a fresh process (the `fabriclite plan` command, or a notebook "
                 "kernel that has not joined a process group)."
             )
-        self.world_size, self.steps = world_size, steps
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank!r} is not a rank of a world of {world_size}: expected 0 to {world_size - 1}.")
+        self.world_size, self.steps, self.rank = world_size, steps, rank
         self.settings = settings or {}
         self.trackers = trackers
         self.observed = Observed()
@@ -196,12 +200,13 @@ class FakeWorld:
         from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+        devices = int(self.settings.get("FABRICLITE_CLI_DEVICES", self.world_size))
         stack.enter_context(
             _environment(
                 {
-                    "RANK": "0",
-                    "LOCAL_RANK": "0",
-                    "NODE_RANK": "0",
+                    "RANK": str(self.rank),
+                    "LOCAL_RANK": str(self.rank % devices),
+                    "NODE_RANK": str(self.rank // devices),
                     "WORLD_SIZE": str(self.world_size),
                     "MASTER_ADDR": "127.0.0.1",  # never contacted: the fake group has no store to meet at
                     "MASTER_PORT": "29500",
@@ -210,7 +215,7 @@ class FakeWorld:
                 }
             )
         )
-        fake_process_group(self.world_size)
+        fake_process_group(self.world_size, self.rank)
         stack.callback(dist.destroy_process_group)
         stack.enter_context(register_module_forward_pre_hook(self._on_forward))
         stack.enter_context(register_optimizer_step_pre_hook(self._on_step_start))

@@ -111,6 +111,30 @@ def test_tensor_parallel_and_hsdp_plans_of_the_gpt_are_within_10_percent_of_a_re
     memory = predicted["memory"]
     assert memory["parameters"] == 4 * SHARES[share]  # fp32
     assert 2 * memory["parameters"] <= memory["optimizer state"] <= 2 * memory["parameters"] + 4 * 128, memory
+    assert [kind["ranks"] for kind in predicted["kinds_of_rank"]] == [[0, 1, 2, 3]]  # the GPT's sizes divide by 2
+
+
+def test_the_last_rank_of_an_uneven_split_is_a_kind_of_its_own_and_planned_as_it_is_it_matches_a_real_run():
+    # A layer of 9 outputs sharded over 4 ranks: ranks 0-2 hold 3 rows each, rank 3 none. One command plans rank 0,
+    # then rank 3 (--every-kind), in the same process.
+    first = plan("--devices", "4", "--every-kind", CONFIGS, "uneven", check=True)
+    of_rank = {0: first, 3: first["other_kinds"][0]}
+    assert len(first["other_kinds"]) == 1
+    for rank, predicted in of_rank.items():
+        assert predicted["ok"] and predicted["rank"] == rank and predicted["steps"] == 2
+        kinds = predicted["kinds_of_rank"]
+        assert [kind["ranks"] for kind in kinds] == [[0, 1, 2], [3]]
+        assert kinds[0]["holds"] - kinds[1]["holds"] == 3 * 4096 + 3
+    assert first["kinds_of_rank"][1]["differs"][0] == ["2.weight", [0, 4096], [3, 4096]]
+    # FSDP2 pads every rank's shard to the same size (parameters and gradients alike); AdamW's moments are as
+    # large as the rank's own rows: rank 3 holds 2 x 4 bytes x 12,291 less of them.
+    assert of_rank[0]["memory"]["parameters"] == of_rank[3]["memory"]["parameters"]
+    assert of_rank[0]["memory"]["optimizer state"] - of_rank[3]["memory"]["optimizer state"] == 2 * 4 * 12_291
+    allocated, alive = measured(4, CONFIGS, "uneven")
+    for rank, predicted in of_rank.items():
+        assert abs(predicted["peak_bytes"] - alive[rank]) <= 0.10 * alive[rank], (rank, predicted["peak_bytes"], alive)
+    # What the plan tells apart, a real run shows: rank 3 below ranks 0-2.
+    assert alive[3] < min(alive[:3]) and of_rank[3]["peak_bytes"] < of_rank[0]["peak_bytes"], alive
 
 
 def test_activations_are_planned_with_and_without_the_checkpointing_the_script_sets_and_match_real_runs_of_both():
@@ -205,6 +229,8 @@ def test_the_plan_command_refuses_bad_arguments_before_running_anything(tmp_path
         (["--devices", "auto", CONFIGS, "fine"], "a plan needs a count of processes per node"),
         ([str(tmp_path / "missing.py")], "does not exist"),
         ([], "no script to plan"),
+        (["--devices", "2", "--num-nodes", "2", "--rank", "4", CONFIGS, "fine"], "--rank 4: expected a global rank"),
+        (["--devices", "2", "--rank", "-1", CONFIGS, "fine"], "of the 2 x 1 processes planned, 0 to 1"),
     ):
         # In this process: the arguments are refused before a process group or a script would run.
         with pytest.raises(SystemExit) as stopped:
@@ -238,10 +264,10 @@ def test_the_bytes_handed_to_collectives_in_a_step_and_the_checkpoint_per_rank_m
         "--save-every", "2", "--out-dir", str(tmp_path / "saved"), timeout=TIMEOUT,
     )  # fmt: skip
     checkpoint = predicted["checkpoint"]
-    assert checkpoint["sharded"] and checkpoint["rank0"] == checkpoint["total"] // 2
+    assert checkpoint["sharded"] and checkpoint["rank"] == checkpoint["total"] // 2
     for rank in (0, 1):
         written = (tmp_path / "saved" / "last.ckpt" / f"__{rank}_0.distcp").stat().st_size
-        assert abs(written - checkpoint["rank0"]) <= 0.10 * written, (rank, written, checkpoint)
+        assert abs(written - checkpoint["rank"]) <= 0.10 * written, (rank, written, checkpoint)
     on_disk = sum(f.stat().st_size for f in (tmp_path / "saved" / "last.ckpt").iterdir())
     assert abs(on_disk - checkpoint["total"]) <= 0.10 * on_disk, (on_disk, checkpoint)
 

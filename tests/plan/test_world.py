@@ -23,6 +23,14 @@ def test_the_world_is_rank_0_of_the_planned_size_and_everything_is_given_back():
     assert not is_fake(torch.empty(2))
 
 
+def test_another_rank_is_planned_where_the_launcher_would_place_it():
+    with FakeWorld(world_size=16, settings={"FABRICLITE_CLI_DEVICES": "8"}, rank=13):
+        assert dist.get_rank() == 13 and dist.get_world_size() == 16
+        assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["NODE_RANK"]) == ("13", "5", "1")
+    with pytest.raises(ValueError, match=r"rank=16 is not a rank of a world of 16: expected 0 to 15"):
+        FakeWorld(world_size=16, rank=16)
+
+
 def test_values_read_from_fake_tensors_are_those_a_healthy_run_sees_and_each_read_is_noted():
     with FakeWorld(world_size=2) as world:
         loss = torch.randn(4).pow(2).mean()

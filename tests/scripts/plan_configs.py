@@ -5,6 +5,8 @@ says about it with what a real launch (`fabriclite run --devices 2`) does:
 - ``tp-missing-layer``: tensor parallel with a plan naming a layer the model lacks: torch warns and skips it.
 - ``fine``: plain FSDP; trains.
 - ``checkpointed``: FSDP checkpointing the activations of each block; trains.
+- ``uneven``: plain FSDP of a model with a layer of 9 outputs: over 4 ranks, ranks 0-2 hold 3 rows of its weight
+  each and rank 3 none, so rank 3 is a kind of rank of its own; trains.
 - ``unsplittable-batches``: FSDP on batches from a batch sampler of the script's own that fabriclite cannot split
   between the ranks (it has no ``.sampler``): ``setup_dataloaders`` raises.
 
@@ -59,6 +61,7 @@ STRATEGIES = {
     "fine": lambda: FSDPStrategy(),
     "checkpointed": lambda: FSDPStrategy(activation_checkpointing_policy={Block}),
     "unsplittable-batches": lambda: FSDPStrategy(),
+    "uneven": lambda: FSDPStrategy(),
 }
 
 
@@ -77,6 +80,8 @@ def main() -> None:
     fabric.launch()
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Block())
+    if sys.argv[1] == "uneven":
+        model = nn.Sequential(nn.Linear(32, 4096), nn.ReLU(), nn.Linear(4096, 9), nn.Linear(9, 32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = fabric.setup(model, optimizer)
     batches = (torch.randn(8, 32, device=fabric.device) for _ in range(3))
