@@ -346,7 +346,30 @@ def _model_lines(wrapped: Any, name: str) -> list[tuple[str, str]]:
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if grads:
         lines.append((f"{name} gradients", _dtypes(grads)))
+    lines.append((f"{name} compile", _compile_line(wrapped, module)))
+    kernels = Counter(type(m).__name__ for m in module.modules() if type(m).__module__.startswith(_KERNELS))
+    if kernels:
+        listed = ", ".join(f"{count} x {kind}" for kind, count in kernels.items())
+        lines.append((f"{name} kernels", f"fabriclite's Triton kernels in place of torch's modules: {listed}"))
     return lines
+
+
+_KERNELS = ("fabriclite.kernels", "kernels.")  # where Fabric(kernels=True)'s modules live, installed or in a checkout
+
+
+def _compile_line(wrapped: Any, module: Any) -> str:
+    """What torch.compile will do for the model, as fabric.setup arranged it (the plan runs it as eager ops)."""
+    watch = getattr(wrapped, "_watch", None)
+    if watch is None:
+        return "off (eager)"
+    backend = getattr(watch._backend, "__name__", "backend")
+    if watch.regions:
+        kinds = Counter(type(module.get_submodule(name)).__name__ for name in watch.regions)
+        listed = ", ".join(f"{count} x {kind}" for kind, count in kinds.items())
+        what = f"regional: {len(watch.regions)} blocks compiled in place ({listed}), one graph per block class"
+    else:
+        what = "the whole model"
+    return f"torch.compile, {what}, backend {backend}; planned as eager ops"
 
 
 def _policy(policy: Any) -> str:

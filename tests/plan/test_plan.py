@@ -161,6 +161,7 @@ def test_the_plan_reports_the_configuration_fabriclite_resolved(tmp_path):
     assert config["FSDP units"].startswith("3: 2 x Block, the root")
     assert config["precision"] == "bf16-mixed: forward computes in bfloat16"
     assert config["model"] == "GPT, 120,576 parameters; this rank holds 15,072 (float32)"
+    assert config["model compile"] == "off (eager)"
     assert config["optimizer"] == "AdamW; state float32"
 
 
@@ -325,6 +326,10 @@ def test_the_talks_vit_b16_script_is_planned_unchanged_at_full_size_on_4_ranks()
     assert config["precision"] == "bf16-mixed: forward computes in bfloat16"
     holds = f"{VIT_B16_PARAMETERS:,}"
     assert config["model"] == f"ViT, {holds} parameters; this rank holds {holds} (float32)"
+    assert config["model compile"] == (
+        "torch.compile, regional: 12 blocks compiled in place (12 x Block), one graph per block class, backend "
+        "inductor; planned as eager ops"
+    )
     memory = predicted["memory"]
     assert memory["parameters"] == memory["gradients"] == 4 * VIT_B16_PARAMETERS  # DDP: every rank holds all, fp32
     assert 2 * 4 * VIT_B16_PARAMETERS <= memory["optimizer state"] <= 2 * 4 * VIT_B16_PARAMETERS + 4 * 200
