@@ -1,14 +1,22 @@
 """Kinds of rank (``fabriclite/plan/ranks.py``): ranks told apart by the shapes of the shards they hold, on meshes
-that cover the world and on meshes that hold one group of it (tensor parallel)."""
+that cover the world and on meshes that hold one group of it (tensor parallel), and another rank planned after
+the first in the same process. DTensor's shard shapes and its caches are private torch parts: every torch CI tests."""
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from helpers import SCRIPTS
+
 from fabriclite._versions_fake import real_tensors
+from fabriclite.plan import plan_script
 from fabriclite.plan.ranks import rank_kinds, rank_ranges, shards_of
 from fabriclite.plan.world import FakeWorld
+
+
+pytestmark = pytest.mark.torch_versions
 
 
 class Wrapped:  # what rank_kinds reads of a set-up model
@@ -56,3 +64,13 @@ def test_a_mesh_holding_one_group_of_the_world_stands_for_every_group_like_it():
         shards = shards_of([Wrapped(sharded(mesh, 6))])
     kinds = rank_kinds(shards, world_size=8, planned_rank=5)
     assert [kind["ranks"] for kind in kinds] == [[0, 1, 2, 4, 5, 6], [3, 7]]
+
+
+def test_a_second_rank_planned_in_the_same_process_is_planned_as_itself():
+    # DTensor caches the specs of its ops by mesh, and meshes of different ranks compare equal: without emptying
+    # the caches, the second plan's parameters took the first rank's mesh and setup failed on a shape mismatch.
+    script = str(SCRIPTS / "plan_configs.py")
+    first, last = (plan_script(script, ["uneven"], devices=4, rank=rank) for rank in (0, 3))
+    assert first.ok and last.ok, (first.error, last.error)
+    assert [kind["ranks"] for kind in last.kinds] == [[0, 1, 2], [3]]
+    assert first.memory["optimizer state"] - last.memory["optimizer state"] == 2 * 4 * (3 * 4096 + 3)
