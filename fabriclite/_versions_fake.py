@@ -77,8 +77,15 @@ def fake_process_group(world_size: int, rank: int = 0) -> None:
     """Join torch's fake process group as ``rank`` of ``world_size`` (no store, no peers; an all-gather hands every
     slot this rank's data, so object collectives see this rank's object everywhere).
     Usage: ``fake_process_group(1024, rank=1023)``."""
+    import importlib.util
+
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend on 2.8-2.15
+
+    if importlib.util.find_spec("torch.distributed._meta_registrations") is None:
+        # torch 2.8 gives c10d's collectives (allreduce_, scatter_, ...) no fake kernels at import: its memory tools'
+        # module registers them. Later torch registers them itself, and twice would be refused.
+        import torch.distributed._tools.fake_collectives  # noqa: F401
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
@@ -87,9 +94,12 @@ def forget_sharding_specs() -> None:
     """Empty DTensor's caches of output specs. They are keyed by device meshes, which compare equal whatever rank
     made them, so the specs of one plan (one rank) would hand its mesh, and its rank's coordinate, to the next plan
     in the same process. Usage: before planning another rank."""
-    from torch.distributed.tensor import debug
+    from torch.distributed.tensor import DTensor
 
-    debug._clear_sharding_prop_cache()  # torch's own test helper; the Python cache and C++'s fast path (2.8-2.15)
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.cache_clear()  # an lru_cache inside
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # its C++ copy (2.13+)
+    if clear_fast_path is not None:
+        clear_fast_path()
 
 
 def local_shape(global_shape: Any, mesh_shape: Any, coordinate: list[int], placements: Any) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from helpers import SCRIPTS
 
@@ -31,8 +31,12 @@ def test_rank_ranges_are_written_as_runs():
 
 
 def sharded(mesh, rows: int) -> nn.Module:
-    module = nn.Linear(4, rows, bias=False)
-    module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)]))
+    """A layer whose weight of ``rows`` rows is sharded over ``mesh`` (this rank's chunk, as torch.chunk cuts)."""
+    chunk = -(-rows // mesh.size())
+    mine = max(0, min(chunk, rows - mesh.get_local_rank() * chunk))
+    module = nn.Module()
+    weight = DTensor.from_local(torch.zeros(mine, 4), mesh, [Shard(0)], run_check=False, shape=(rows, 4), stride=(4, 1))
+    module.weight = nn.Parameter(weight)
     module.plain = nn.Parameter(torch.zeros(3))  # not a DTensor: every rank holds it whole
     return module
 
