@@ -39,9 +39,15 @@ def run_two_agents(rendezvous: str, folder) -> list[str]:
     return outputs
 
 
+# Static rendezvous has no membership changes: the node whose rank did not fail learns of the restart only when its
+# own rank has failed too, after waiting FOLLOWER_WAIT_S to be stopped, which makes a run about 1.5x c10d's. Its
+# reconnect is the same generation protocol as c10d's, so 3 runs for it (and RUNS for c10d's).
+STATIC_RUNS = 3
+
+
 @pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_a_rank_failing_once_under_two_torchrun_agents_restarts_both_and_finishes_every_time(tmp_path, rendezvous):
-    for run in range(RUNS):
+    for run in range(STATIC_RUNS if rendezvous == "static" else RUNS):
         folder = tmp_path / str(run)
         folder.mkdir()
         check_resumed_and_finished("\n".join(run_two_agents(rendezvous, folder)))
