@@ -2,6 +2,7 @@
 docs teach, with `fabriclite` where the docs write `lightning.fabric`. Where Lightning is installed, the same script
 with the import changed back runs under Lightning too, and every printed loss must match to 1e-6 (CPU, 32-true)."""
 
+import functools
 import importlib.util
 import math
 import re
@@ -44,14 +45,7 @@ def run(name: str, implementation: str, tmp_path: Path) -> str:
 def ours(tmp_path_factory):
     """``ours(name)``: script ``name``'s output under fabriclite, run once for all the tests of this module (each
     test below asks something else of the same deterministic run)."""
-    outputs: dict[str, str] = {}
-
-    def output(name: str) -> str:
-        if name not in outputs:
-            outputs[name] = run(name, "fabriclite", tmp_path_factory.mktemp(name.removesuffix(".py")))
-        return outputs[name]
-
-    return output
+    return functools.cache(lambda name: run(name, "fabriclite", tmp_path_factory.mktemp(name.removesuffix(".py"))))
 
 
 def losses(output: str) -> dict[int, float]:
