@@ -4,6 +4,7 @@ resumable" (or requeue the SLURM job), and the resumed run ends bit-identical to
 machine; the same across two nodes is in test_long_runs_nodes.py."""
 
 import atexit
+import functools
 import os
 import re
 import signal
@@ -43,10 +44,18 @@ def run_args(folder, out, *flags, strategy="ddp", restarts=0):
     ]  # fmt: skip
 
 
-def reference(tmp_path, strategy="ddp"):
-    """The final weights of the same run, never interrupted."""
-    run_python(*run_args(tmp_path / "ref", tmp_path / "ref.pt", strategy=strategy), timeout=TIMEOUT)
-    return torch.load(tmp_path / "ref.pt")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """``reference(strategy)``: the final weights of the same run, never interrupted; run once per strategy for
+    all the tests of this module."""
+
+    @functools.cache
+    def uninterrupted(strategy):
+        folder = tmp_path_factory.mktemp(f"reference-{strategy}")
+        run_python(*run_args(folder / "ref", folder / "ref.pt", strategy=strategy), timeout=TIMEOUT)
+        return torch.load(folder / "ref.pt")
+
+    return uninterrupted
 
 
 def interrupted(args, at, act, **env):
@@ -64,8 +73,8 @@ def interrupted(args, at, act, **env):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_rank_sigkilled_mid_run_restarts_the_group_which_ends_bit_identical(tmp_path, strategy):
-    expected = reference(tmp_path, strategy)
+def test_a_rank_sigkilled_mid_run_restarts_the_group_which_ends_bit_identical(tmp_path, strategy, reference):
+    expected = reference(strategy)
     folder, out = tmp_path / "run", tmp_path / "run.pt"
     args = run_args(folder, out, "--sleep", "0.05", strategy=strategy, restarts=1)
     code, output, _ = interrupted(args, "step 33\n", kill_rank(1))
@@ -80,8 +89,8 @@ def test_a_rank_sigkilled_mid_run_restarts_the_group_which_ends_bit_identical(tm
     assert sorted(path.name for path in folder.iterdir()) == ["step-0060.ckpt", "step-0070.ckpt"]  # keep_last=2
 
 
-def test_fabric_launch_restarts_its_ranks_with_fabriclite_max_restarts(tmp_path):
-    expected = reference(tmp_path)
+def test_fabric_launch_restarts_its_ranks_with_fabriclite_max_restarts(tmp_path, reference):
+    expected = reference("ddp")
     folder, out = tmp_path / "run", tmp_path / "run.pt"
     args = [SCRIPT, str(folder), "--out", str(out), "--accelerator", "cpu", "--devices", "2", "--sleep", "0.05"]
     code, output, _ = interrupted(args, "step 33\n", kill_rank(0), FABRICLITE_MAX_RESTARTS="1")  # a child too
@@ -122,8 +131,10 @@ def test_ranks_stop_within_seconds_when_the_launcher_is_sigkilled(tmp_path):
 @pytest.mark.parametrize(
     ("signum", "flags"), [(signal.SIGTERM, []), (signal.SIGUSR1, ["--asynchronous"])], ids=["SIGTERM", "SIGUSR1-async"]
 )
-def test_a_preemption_notice_saves_every_rank_at_one_step_and_the_rerun_ends_bit_identical(tmp_path, signum, flags):
-    expected = reference(tmp_path)
+def test_a_preemption_notice_saves_every_rank_at_one_step_and_the_rerun_ends_bit_identical(
+    tmp_path, signum, flags, reference
+):
+    expected = reference("ddp")
     args = run_args(tmp_path / "run", tmp_path / "run.pt", "--sleep", "0.05", *flags, restarts=1)
     code, output, _ = interrupted(args, "step 20\n", send(signum))
     assert code == PREEMPTED_EXIT_CODE, output[-3000:]

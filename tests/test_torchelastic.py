@@ -21,6 +21,18 @@ RUNS = 5  # a restarted group failed to reconnect in about 1 run of 3 before: 5 
 TIMEOUT = 240
 
 
+def each_run(runs: dict[str, int], on_every_torch: str) -> list:
+    """The parameters (mode, run) of ``runs[mode]`` runs of each mode, each run a test of its own. The first run of
+    mode ``on_every_torch`` is also a version-sensitive test: the rendezvous code differs between torch versions, and
+    on the other versions CI tests that one run is checked (in the whole suite, it is one of the runs)."""
+    every_torch = pytest.mark.torch_versions
+    return [
+        pytest.param(mode, run, id=f"{mode}-{run}", marks=every_torch if (mode, run) == (on_every_torch, 0) else ())
+        for mode, count in runs.items()
+        for run in range(count)
+    ]
+
+
 def check_resumed_and_finished(output: str) -> None:
     """One run of torchrun_restarts.py under torchrun: restarted once, resumed from step 2, finished; torchrun's
     stop was no preemption; the dead group's keys were never read."""
@@ -30,12 +42,11 @@ def check_resumed_and_finished(output: str) -> None:
     assert "connectFullMesh" not in output and "for the other processes of the job" not in output, output[-4000:]
 
 
-@pytest.mark.parametrize("rendezvous", ["standalone", "c10d"])
-def test_a_rank_failing_once_under_one_torchrun_agent_restarts_resumes_and_finishes_every_time(tmp_path, rendezvous):
-    for run in range(RUNS):
-        folder = tmp_path / str(run)
-        folder.mkdir()
-        run_one_agent(rendezvous, folder)
+@pytest.mark.parametrize(("rendezvous", "run"), each_run({"standalone": RUNS, "c10d": RUNS}, "standalone"))
+def test_a_rank_failing_once_under_one_torchrun_agent_restarts_resumes_and_finishes_every_time(
+    tmp_path, rendezvous, run
+):
+    run_one_agent(rendezvous, tmp_path)
 
 
 def run_one_agent(rendezvous: str, folder) -> None:

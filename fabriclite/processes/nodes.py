@@ -154,8 +154,10 @@ class NodeRun:
             self.agent = _agent(self, handler, logs)
             outcome = self._run_agent()
             code = self._exit_code(outcome)
-            # After a rendezvous that timed out, the nodes it missed are gone or never came: none to wait for.
-            if type(outcome).__name__ != "RendezvousTimeoutError":
+            # After a rendezvous that timed out, the nodes it missed are gone or never came: none to wait for. After
+            # node 0's store was lost, no one is left to tell (connecting to it would only time out, twice 5 s).
+            lost = self.agent.lost or type(outcome).__name__ == "RendezvousConnectionError"
+            if type(outcome).__name__ != "RendezvousTimeoutError" and not lost:
                 self._leave()
             return code
         finally:

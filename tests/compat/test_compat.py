@@ -2,6 +2,7 @@
 docs teach, with `fabriclite` where the docs write `lightning.fabric`. Where Lightning is installed, the same script
 with the import changed back runs under Lightning too, and every printed loss must match to 1e-6 (CPU, 32-true)."""
 
+import functools
 import importlib.util
 import math
 import re
@@ -40,6 +41,13 @@ def run(name: str, implementation: str, tmp_path: Path) -> str:
     return result.stdout
 
 
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory):
+    """``ours(name)``: script ``name``'s output under fabriclite, run once for all the tests of this module (each
+    test below asks something else of the same deterministic run)."""
+    return functools.cache(lambda name: run(name, "fabriclite", tmp_path_factory.mktemp(name.removesuffix(".py"))))
+
+
 def losses(output: str) -> dict[int, float]:
     return {int(step): float(value) for step, value in re.findall(r"^LOSS (\d+) (\S+)$", output, re.MULTILINE)}
 
@@ -57,8 +65,8 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_lightning_fabric_script_runs_with_fabriclite(name, tmp_path):
-    output = run(name, "fabriclite", tmp_path)
+def test_a_lightning_fabric_script_runs_with_fabriclite(name, ours):
+    output = ours(name)
     found = losses(output)
     assert len(found) >= 4 and all(math.isfinite(v) for v in found.values()), output[-3000:]
     assert set(EXPECTED.get(name, [])) <= set(other_lines(output)), output[-3000:]
@@ -71,21 +79,18 @@ def test_a_lightning_fabric_script_runs_with_fabriclite(name, tmp_path):
 
 @pytest.mark.skipif(not HAS_LIGHTNING, reason="Lightning is not installed (pip install lightning to compare)")
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in LIGHTNING_REFUSES])
-def test_the_same_script_gives_the_same_losses_under_lightning_fabric(name, tmp_path):
-    ours = run(name, "fabriclite", tmp_path)
-    theirs = run(name, "lightning", tmp_path)
-    assert losses(ours).keys() == losses(theirs).keys(), (ours[-2000:], theirs[-2000:])
-    for step, value in losses(ours).items():
+def test_the_same_script_gives_the_same_losses_under_lightning_fabric(name, ours, tmp_path):
+    mine, theirs = ours(name), run(name, "lightning", tmp_path)
+    assert losses(mine).keys() == losses(theirs).keys(), (mine[-2000:], theirs[-2000:])
+    for step, value in losses(mine).items():
         assert abs(value - losses(theirs)[step]) <= 1e-6, (step, value, losses(theirs)[step])
-    assert other_lines(ours) == other_lines(theirs)
+    assert other_lines(mine) == other_lines(theirs)
 
 
 @pytest.mark.parametrize("name", ["fsdp_torch_policies.py", "fsdp_size_wrap_offload.py"])
-def test_torchs_policy_functions_train_as_the_layer_classes_they_stand_for(name, tmp_path):
+def test_torchs_policy_functions_train_as_the_layer_classes_they_stand_for(name, ours):
     # The same model, data and loop as fsdp_policies.py, with the units and the checkpointed blocks given in
     # torch's FSDP1 forms (and other units, and CPU offload): the same losses.
-    (tmp_path / "classes").mkdir(), (tmp_path / "torch").mkdir()
-    classes = losses(run("fsdp_policies.py", "fabriclite", tmp_path / "classes"))
-    theirs = losses(run(name, "fabriclite", tmp_path / "torch"))
+    classes, theirs = losses(ours("fsdp_policies.py")), losses(ours(name))
     assert classes.keys() == theirs.keys() and len(classes) >= 4
     assert all(abs(theirs[step] - value) <= 1e-6 for step, value in classes.items()), (classes, theirs)
