@@ -1,7 +1,7 @@
 """The ``fabriclite`` command line: ``fabriclite run`` starts a script on several processes or nodes,
-``fabriclite plan`` dry-runs it as one rank (0 unless told) of the world it would have (``fabriclite.plan``), ``fabriclite
-consolidate`` merges a sharded checkpoint into one file, and ``fabriclite plot`` draws the metrics of CSVLogger runs
-side by side.
+``fabriclite plan`` dry-runs it as one rank (0 unless told) of the world it would have (``fabriclite.plan``),
+``fabriclite consolidate`` merges a sharded checkpoint into one file, and ``fabriclite plot`` draws the metrics of
+CSVLogger runs side by side.
 
 ``run`` checks every setting and exports the ones the script's ``Fabric()`` reads (see ``choices.apply_cli_settings``).
 It starts and watches this machine's processes itself (``supervisor``: restarts with ``--max-restarts``,

@@ -1,11 +1,11 @@
 """Plan a run before launching it: ``fabriclite plan --devices 8 --num-nodes 128 train.py ...`` runs the script,
-unchanged, as global rank 0 (or ``--rank N``) of the 1,024 processes it would have, in this one process, with no GPU and nobody else
-started: torch's fake process group, every tensor a fake one (``world.py``), the real ``Fabric``, strategy, precision
-and ``fabric.backward``, until the script's optimizers stepped twice (the second step is the steady state: its
-backward holds the optimizer's state too). Then it reports the configuration fabriclite resolved, the rank's memory
-at the peak of the steps by kind (``memory.py``), the kinds of rank whose shards differ (``ranks.py``), and the
-error the real run would raise (``report.py``); with a device memory, it plans again at other batch sizes for the
-largest micro-batch that fits (``batch.py``).
+unchanged, as global rank 0 (or ``--rank N``) of the 1,024 processes it would have, in this one process, with no
+GPU and nobody else started: torch's fake process group, every tensor a fake one (``world.py``), the real
+``Fabric``, strategy, precision and ``fabric.backward``, until the script's optimizers stepped twice (the second
+step is the steady state: its backward holds the optimizer's state too). Then it reports the configuration
+fabriclite resolved, the rank's memory at the peak of the steps by kind (``memory.py``), the kinds of rank whose
+shards differ (``ranks.py``), and the error the real run would raise (``report.py``); with a device memory, it
+plans again at other batch sizes for the largest micro-batch that fits (``batch.py``).
 
 Usage::
 
@@ -69,8 +69,8 @@ def plan_script(
     rank: int = 0,
 ) -> Plan:
     """Run ``script`` with ``args`` as global ``rank`` of ``devices * num_nodes`` processes on fake tensors, stop
-    it after ``steps`` optimizer steps, and return what was found. ``settings`` are more ``FABRICLITE_CLI_*`` variables for
-    the script's ``Fabric()`` (accelerator, strategy, precision), as ``fabriclite run`` exports them.
+    it after ``steps`` optimizer steps, and return what was found. ``settings`` are more ``FABRICLITE_CLI_*``
+    variables for the script's ``Fabric()`` (accelerator, strategy, precision), as ``fabriclite run`` exports them.
 
     Usage: ``print(plan_script("train.py", ["--strategy", "fsdp"], devices=8, num_nodes=128).format())``.
     """

@@ -33,7 +33,7 @@ def shards_of(modules: list[Any]) -> Shards:
     from torch.distributed.tensor import DTensor
 
     placed: dict[tuple, list[str]] = {}
-    layouts: dict[tuple, Any] = {}
+    layouts: dict[int, Any] = {}  # id of a mesh -> its rank numbers
     whole = 0
     for wrapped in modules:
         for name, param in wrapped._original_module.named_parameters():

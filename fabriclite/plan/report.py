@@ -1,6 +1,7 @@
 """What a plan found, as a ``Plan``: the configuration fabriclite resolved (read off the objects the script's
-``Fabric`` built), the memory of the planned rank (``memory.MemoryTracker``), the kinds of rank (``ranks.py``), the error the run would raise, the values the
-script read from fake tensors, and what the plan does not estimate yet. ``Plan.format()`` is what ``fabriclite plan``
+``Fabric`` built), the memory of the planned rank (``memory.MemoryTracker``), the kinds of rank (``ranks.py``),
+the error the run would raise, the values the script read from fake tensors, and what the plan does not estimate
+yet. ``Plan.format()`` is what ``fabriclite plan``
 prints.
 
 Usage: ``print(plan.format())``; ``plan.peak_bytes``, ``plan.memory["gradients"]``, ``plan.error``.

@@ -1,8 +1,8 @@
 """The pretend world a plan runs a script in: this process is one global rank (0 unless told) of ``devices *
-num_nodes`` processes, the others of which do not exist. Nothing is started and nothing is sent: the process group is torch's fake one (every collective
-returns at once, an all-gather hands each rank's slot this rank's data), every tensor the script makes is a fake
-tensor (shape, dtype and device, no memory, ``FakeTensorMode``), and the script stops once its optimizers stepped
-``steps`` times (``PlanStop``).
+num_nodes`` processes, the others of which do not exist. Nothing is started and nothing is sent: the process group
+is torch's fake one (every collective returns at once, an all-gather hands each rank's slot this rank's data),
+every tensor the script makes is a fake tensor (shape, dtype and device, no memory, ``FakeTensorMode``), and the
+script stops once its optimizers stepped ``steps`` times (``PlanStop``).
 
 What a fake tensor cannot give is a value. When the script reads one (``loss.item()``, ``if torch.isfinite(norm)``),
 ``ValueReads`` answers with a stand-in and notes where: 0 for numbers, and for a truth value what a healthy run
