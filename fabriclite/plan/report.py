@@ -348,14 +348,11 @@ def _model_lines(wrapped: Any, name: str) -> list[tuple[str, str]]:
     if grads:
         lines.append((f"{name} gradients", _dtypes(grads)))
     lines.append((f"{name} compile", _compile_line(wrapped, module)))
-    kernels = Counter(type(m).__name__ for m in module.modules() if type(m).__module__.startswith(_KERNELS))
+    kernels = Counter(type(m).__name__ for m in module.modules() if type(m).__module__.startswith("fabriclite.kernels"))
     if kernels:
         listed = ", ".join(f"{count} x {kind}" for kind, count in kernels.items())
         lines.append((f"{name} kernels", f"fabriclite's Triton kernels in place of torch's modules: {listed}"))
     return lines
-
-
-_KERNELS = ("fabriclite.kernels", "kernels.")  # where Fabric(kernels=True)'s modules live, installed or in a checkout
 
 
 def _compile_line(wrapped: Any, module: Any) -> str:
